@@ -802,7 +802,9 @@ def main(argv=None):
         write_atomically(args.log_tsv, lambda f: f.write(('\n'.join(lines) + '\n').encode()))
     if args.save and ema is not None:
         write_atomically(args.save, lambda f: torch.save(ema.state_dict(), f))
-    return 130 if len(runs) < args.runs else 0
+    if len(runs) < args.runs:
+        return 130  # the shell's code for Ctrl-C
+    return 1 if summary['failed'] else 0
 
 
 if __name__ == '__main__':

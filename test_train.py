@@ -1,0 +1,601 @@
+"""Tests for train_cifar10.py, CPU only. Each checks behaviour against an expectation computed
+independently of the code under test: by hand, with numpy, or from a property.
+
+Run: python -m pytest -q test_train.py
+With CIFAR10_DIR pointing at a folder that holds cifar-10-batches-py/, also checks that copy.
+"""
+import gzip
+import hashlib
+import http.server
+import io
+import json
+import math
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import tarfile
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import train_cifar10 as T
+
+SCRIPT = Path(__file__).resolve().parent / 'train_cifar10.py'
+torch.set_num_threads(2)
+
+
+# ---------------------------------------------------------------------------------------------
+# A generated dataset in the official layout: classes a network can tell apart
+# ---------------------------------------------------------------------------------------------
+def synthetic_images(labels, rng):
+    """Class k: a colour of its own and stripes at an angle of its own, random phase and noise."""
+    n = len(labels)
+    yy, xx = np.mgrid[0:32, 0:32]
+    angle = labels[:, None, None] * np.pi / 10
+    phase = rng.uniform(0, 2 * np.pi, (n, 1, 1))
+    stripes = np.sin((np.cos(angle) * xx + np.sin(angle) * yy) * 0.8 + phase)
+    palette = np.random.default_rng(1).uniform(40, 215, (10, 3))
+    images = palette[labels][:, :, None, None] + 35 * stripes[:, None] + rng.normal(0, 20, (n, 3, 32, 32))
+    return np.clip(images, 0, 255).astype(np.uint8)
+
+
+def write_batch(path, images, labels, batch_label):
+    batch = {'batch_label': batch_label, 'labels': [int(x) for x in labels],
+             'data': images.reshape(len(images), -1), 'filenames': [f'img{i}.png' for i in range(len(images))]}
+    path.write_bytes(pickle.dumps(batch, protocol=2))
+
+
+def write_dataset(data_dir, per_batch=200, n_test=200, seed=0):
+    """data_dir/cifar-10-batches-py with five training batches and a test batch."""
+    rng = np.random.default_rng(seed)
+    folder = Path(data_dir) / T.BATCHES_DIR
+    folder.mkdir(parents=True)
+    for i, name in enumerate(T.TRAIN_FILES):
+        labels = rng.integers(0, 10, per_batch)
+        write_batch(folder / name, synthetic_images(labels, rng), labels, f'training batch {i + 1} of 5')
+    labels = rng.integers(0, 10, n_test)
+    write_batch(folder / T.TEST_FILE, synthetic_images(labels, rng), labels, 'testing batch 1 of 1')
+    return folder
+
+
+@pytest.fixture(scope='session')
+def dataset(tmp_path_factory):
+    data_dir = tmp_path_factory.mktemp('generated')
+    write_dataset(data_dir)
+    return data_dir
+
+
+def run_script(*args, cwd=None, timeout=300):
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True,
+                          cwd=cwd, timeout=timeout)
+
+
+def small_model(hyp_overrides=None, whitening=None):
+    hyp = {**T.HYP, 'channels': (8, 8, 16, 16), **(hyp_overrides or {})}
+    torch.manual_seed(0)
+    return T.ResNet9(torch.randn(27, 3, 3, 3) if whitening is None else whitening, hyp), hyp
+
+
+# ---------------------------------------------------------------------------------------------
+# Whitening
+# ---------------------------------------------------------------------------------------------
+def correlated_images(n=64, seed=0):
+    """Images whose neighbouring pixels and channels are strongly correlated, like photos."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 3, 40, 40, generator=g)
+    x = F.avg_pool2d(x, 5, stride=1)[:, :, :32, :32]             # spatial correlation
+    mix = torch.tensor([[1.0, 0.8, 0.6], [0.0, 0.6, 0.5], [0.0, 0.0, 0.4]])
+    return torch.einsum('ij,njhw->nihw', mix, x)                  # channel correlation
+
+
+def patch_covariance_numpy(images):
+    """The 27 x 27 covariance of all 3x3 patches, patches cut out one window at a time."""
+    x = images.numpy().astype(np.float64)
+    n, c, h, w = x.shape
+    patches = np.stack([x[:, :, i:i + 3, j:j + 3].reshape(n, -1) for i in range(h - 2) for j in range(w - 2)])
+    return np.cov(patches.reshape(-1, 27).T)
+
+
+def test_whitened_patches_have_identity_covariance():
+    images = correlated_images()
+    filters = T.whitening_filters(images, eps=1e-9)
+    whitened = F.conv2d(images, filters)                          # every 3x3 patch, projected
+    cov = np.cov(whitened.permute(1, 0, 2, 3).reshape(27, -1).double().numpy())
+    np.testing.assert_allclose(cov, np.eye(27), atol=2e-3)
+
+
+def test_whitening_filters_follow_the_eigenvalues_in_descending_order():
+    images = correlated_images(seed=1)
+    eps = 1e-2
+    filters = T.whitening_filters(images, eps).reshape(27, 27).double().numpy()
+    sigma = patch_covariance_numpy(images)
+    eigenvalues = np.sort(np.linalg.eigvalsh(sigma))[::-1]
+    # filter i is v_i / sqrt(l_i + eps), so it maps the covariance to l_i / (l_i + eps) on the diagonal
+    np.testing.assert_allclose(filters @ sigma @ filters.T, np.diag(eigenvalues / (eigenvalues + eps)), atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# Learning-rate schedule
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize('epochs, epoch, expected', [
+    (10, 0, 0.0), (10, 1, 0.5), (10, 2, 1.0),                     # warm-up to the peak at epochs/5
+    (10, 5, 0.55), (10, 8, 0.1), (10, 9.5, 0.1), (10, 10, 0.1),   # down to the floor at epochs-2
+    (20, 4, 1.0), (20, 11, 0.55), (20, 18, 0.1),                  # the knots scale with epochs
+])
+def test_schedule_at_and_between_knots(epochs, epoch, expected):
+    knots, values = T.lr_knots({**T.HYP, 'epochs': epochs})
+    assert T.piecewise_linear(epoch, knots, values) == pytest.approx(expected)
+
+
+def test_each_step_uses_the_schedule_at_its_own_end():
+    model, hyp = small_model({'batch_size': 32, 'epochs': 10})
+    opt = T.optimiser(model, hyp)
+    ema = T.copy.deepcopy(model)
+    images, labels = torch.randn(64, 3, 32, 32), torch.randint(0, 10, (64,))
+    *_, lr = T.train_epoch(model, ema, opt, images, labels, 2, 0, hyp)
+    assert lr == pytest.approx(0.5)                               # step 2 of 2 ends epoch 1: 1.0 x 1/2
+    assert opt.param_groups[0]['lr'] == pytest.approx(0.5 / 32)
+    assert opt.param_groups[1]['lr'] == pytest.approx(0.5 * 64 / 32)
+
+
+# ---------------------------------------------------------------------------------------------
+# Augmentation
+# ---------------------------------------------------------------------------------------------
+def test_crop_is_a_window_of_the_padded_image():
+    torch.manual_seed(0)
+    padded = torch.rand(200, 3, 40, 40)
+    crops = T.random_crop(padded, 32)
+    seen = set()
+    for image, crop in zip(padded, crops):
+        windows = [(y, x) for y in range(9) for x in range(9) if torch.equal(image[:, y:y + 32, x:x + 32], crop)]
+        assert len(windows) == 1
+        seen.add(windows[0])
+    assert len(seen) > 40                                         # offsets spread over the 81 windows
+
+
+def test_flip_is_an_exact_mirror_or_the_image_itself():
+    torch.manual_seed(0)
+    images = torch.rand(400, 3, 32, 32)
+    flipped = T.random_flip(images)
+    mirrored = [torch.equal(f, i.flip(2)) for f, i in zip(flipped, images)]
+    kept = [torch.equal(f, i) for f, i in zip(flipped, images)]
+    assert all(m or k for m, k in zip(mirrored, kept))
+    assert 150 < sum(mirrored) < 250                              # about half
+
+
+def test_cutout_zeroes_one_square_inside_each_image():
+    torch.manual_seed(0)
+    out = T.cutout(torch.ones(100, 3, 32, 32), 8)
+    for image in out:
+        zero = (image == 0).all(0)
+        assert (image == 0).sum() == 3 * 64 and (image[:, ~zero] == 1).all()
+        rows, cols = zero.nonzero(as_tuple=True)
+        assert rows.max() - rows.min() == 7 and cols.max() - cols.min() == 7
+
+
+def test_augmented_epoch_keeps_labels_with_their_images():
+    torch.manual_seed(0)
+    n = 1000
+    # image i is the constant i, which survives cropping a reflect-padded image and flipping it
+    padded = F.pad(torch.arange(n, dtype=torch.float32).view(n, 1, 1, 1).expand(n, 3, 32, 32), (4,) * 4, mode='reflect')
+    labels = torch.randint(0, 10, (n,))
+    images, epoch_labels, steps = T.augmented_epoch(padded, labels, {**T.HYP, 'batch_size': 64, 'cutout': 0})
+    assert steps == n // 64 and len(images) == steps * 64         # the last partial batch is dropped
+    index = images[:, 0, 0, 0].long()
+    assert (images == index.view(-1, 1, 1, 1).float()).all()
+    assert len(set(index.tolist())) == len(index)                 # each image at most once
+    assert torch.equal(epoch_labels, labels[index])
+    assert not torch.equal(index, torch.arange(len(index)))       # shuffled
+
+
+# ---------------------------------------------------------------------------------------------
+# Network pieces
+# ---------------------------------------------------------------------------------------------
+def test_ghost_batch_norm_equals_batch_norm_of_each_split_by_hand():
+    torch.manual_seed(0)
+    bn = T.GhostBatchNorm(4, split_size=32)
+    with torch.no_grad():
+        bn.bias.copy_(torch.tensor([0.1, -0.2, 0.3, 0.0]))
+    x = torch.randn(96, 4, 5, 5) * 3 + 1                          # 3 splits of 32
+    y = bn(x)
+    means, variances = [], []
+    for k in range(3):                                            # split k: images k, k+3, k+6, ...
+        chunk = x[k::3].double()
+        mean = chunk.mean(dim=(0, 2, 3), keepdim=True)
+        var = chunk.var(dim=(0, 2, 3), unbiased=False, keepdim=True)
+        expected = (chunk - mean) / torch.sqrt(var + 1e-5) + bn.bias.double().view(1, 4, 1, 1)
+        torch.testing.assert_close(y[k::3].double(), expected, atol=1e-5, rtol=1e-5)
+        means.append(mean.flatten())
+        variances.append(chunk.var(dim=(0, 2, 3), unbiased=True))
+    # running statistics: momentum 0.1 from (0, 1) towards the average over splits
+    torch.testing.assert_close(bn.running_mean.double(), 0.1 * torch.stack(means).mean(0), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(bn.running_var.double(), 0.9 + 0.1 * torch.stack(variances).mean(0), atol=1e-6, rtol=1e-6)
+    assert not bn.weight.requires_grad and bn.bias.requires_grad and (bn.weight == 1).all()
+
+
+def test_conversion_keeps_batch_norm_in_fp32_and_the_rest_in_half():
+    model, _ = small_model()
+    T.to_training_precision(model, torch.float16)
+    for module in model.modules():
+        if isinstance(module, T.GhostBatchNorm):
+            assert {t.dtype for t in (module.weight, module.bias, module.running_mean, module.running_var)} == {torch.float32}
+        elif isinstance(module, (torch.nn.Conv2d, torch.nn.Linear)):
+            assert module.weight.dtype == torch.float16
+    assert model.whitening.dtype == torch.float16
+    out = model(torch.randn(64, 3, 32, 32, dtype=torch.float16))
+    assert out.dtype == torch.float16 and out.shape == (64, 10)
+
+
+def test_flip_tta_gives_an_image_and_its_mirror_the_same_logits():
+    model, _ = small_model()
+    model(torch.randn(64, 3, 32, 32))                             # move the BN statistics off (0, 1)
+    model.eval()
+    x = torch.randn(16, 3, 32, 32)
+    with torch.no_grad():
+        assert torch.equal(T.flip_tta_logits(model, x), T.flip_tta_logits(model, x.flip(3)))
+        assert not torch.equal(model(x), model(x.flip(3)))        # the network itself is not symmetric
+
+
+def test_network_shapes_and_logit_scale():
+    model, hyp = small_model()
+    model.eval()
+    x = torch.randn(4, 3, 32, 32)
+    with torch.no_grad():
+        features = model.layer3(model.layer2(model.layer1(model.prep(F.conv2d(x, model.whitening, padding=1)))))
+        assert features.shape == (4, 16, 4, 4)                   # three 2x2 pools: 32 -> 4
+        expected = features.amax(dim=(2, 3)) @ model.head.weight.T / 16
+        torch.testing.assert_close(model(x), expected)
+
+
+# ---------------------------------------------------------------------------------------------
+# Training pieces
+# ---------------------------------------------------------------------------------------------
+def test_one_ema_step_equals_the_formula():
+    model, _ = small_model()
+    ema, _ = small_model()
+    with torch.no_grad():
+        for t in ema.state_dict().values():
+            if t.is_floating_point():
+                t.add_(torch.randn_like(t))
+    model(torch.randn(64, 3, 32, 32))                             # running statistics differ too
+    before = {k: v.clone() for k, v in ema.state_dict().items()}
+    T.ema_update(ema, model, 0.9)
+    for k, v in ema.state_dict().items():
+        if v.is_floating_point():
+            torch.testing.assert_close(v, 0.9 * before[k] + 0.1 * model.state_dict()[k], atol=1e-6, rtol=1e-6)
+        else:
+            assert torch.equal(v, before[k])                      # the batch counter is not averaged
+
+
+def test_optimiser_groups_lr_and_weight_decay():
+    model, hyp = small_model({'batch_size': 512})
+    opt = T.optimiser(model, hyp)
+    weights, biases = opt.param_groups
+    bn_biases = {id(m.bias) for m in model.modules() if isinstance(m, T.GhostBatchNorm)}
+    assert {id(p) for p in biases['params']} == bn_biases
+    convs = {id(m.weight) for m in model.modules() if isinstance(m, (torch.nn.Conv2d, torch.nn.Linear))}
+    assert {id(p) for p in weights['params']} == convs            # frozen BN scales are left out
+    assert weights['lr_scale'] == pytest.approx(1 / 512) and weights['weight_decay'] == pytest.approx(0.256)
+    assert biases['lr_scale'] == pytest.approx(64 / 512) and biases['weight_decay'] == pytest.approx(0.004)
+    assert all(g['nesterov'] and g['momentum'] == 0.9 for g in opt.param_groups)
+
+
+def test_t_quantile_matches_published_tables():
+    for df, t in [(1, 12.706), (2, 4.303), (9, 2.262), (49, 2.010), (1000, 1.962)]:
+        assert T.t_quantile(0.975, df) == pytest.approx(t, abs=1e-3)
+
+
+def test_summary_statistics_by_hand():
+    runs = [dict(failed=False, accuracy=a, time_s=t) for a, t in [(0.94, 3.0), (0.93, 5.0), (0.95, 4.0)]]
+    runs.append(dict(failed=True, accuracy=float('nan'), time_s=1.0))
+    s = T.summarize(runs, gpu_price=3.6)
+    assert (s['runs'], s['finished'], s['failed']) == (4, 3, 1)
+    assert s['acc_mean'] == pytest.approx(0.94) and s['acc_std'] == pytest.approx(0.01)
+    half = 4.303 * 0.01 / math.sqrt(3)
+    assert s['acc_ci95'][0] == pytest.approx(0.94 - half, abs=1e-5) and s['acc_ci95'][1] == pytest.approx(0.94 + half, abs=1e-5)
+    assert (s['acc_min'], s['acc_median'], s['acc_max']) == (0.93, 0.94, 0.95)
+    assert s['reached_94'] == 2
+    assert (s['time_mean_s'], s['time_median_s'], s['time_max_s']) == (4.0, 4.0, 5.0)
+    assert s['cost_per_run_usd'] == pytest.approx(0.004)          # 4 s at $3.6 per hour
+
+
+def test_table_columns_are_twelve_characters_wide():
+    line = T.table_line(T.COLUMNS)
+    assert len(line) == 12 * 9 and line[:12] == '       epoch' and line.endswith('  total time')
+    row = T.table_row(dict(epoch=3, lr=0.1, train_time=2.5, train_loss=1.23456, train_acc=0.5,
+                           valid_time=0.25, valid_loss=1.0, valid_acc=0.9412, total_time=7.75))
+    assert row == ''.join(f'{s:>12}' for s in
+                          ['3', '0.1000', '2.5000', '1.2346', '0.5000', '0.2500', '1.0000', '0.9412', '7.7500'])
+
+
+# ---------------------------------------------------------------------------------------------
+# Data: safe loading, download, checks
+# ---------------------------------------------------------------------------------------------
+class Exploit:
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return os.system, (f'touch {self.path}',)
+
+
+def test_restricted_unpickler_refuses_a_pickle_that_calls_a_function(tmp_path):
+    folder = write_dataset(tmp_path, per_batch=20, n_test=20)
+    marker = tmp_path / 'pwned'
+    (folder / 'data_batch_2').write_bytes(pickle.dumps({'data': Exploit(marker), 'labels': [0]}, protocol=2))
+    with pytest.raises(T.UserError, match=r'(posix|os|nt)\.system, which a data file never needs'):
+        T.load_cifar10(folder)
+    assert not marker.exists()
+    (folder / 'data_batch_2').write_bytes(pickle.dumps({'data': np.zeros((1, 3072), np.uint8), 'labels': [0],
+                                                       'extra': eval}, protocol=2))
+    with pytest.raises(T.UserError, match=r'__builtin__\.eval'):
+        T.load_cifar10(folder)
+
+
+def test_generated_and_protocol_2_pickles_load_with_their_labels(tmp_path):
+    folder = write_dataset(tmp_path, per_batch=30, n_test=20, seed=3)
+    data = T.load_cifar10(folder)
+    assert data['train_images'].shape == (150, 3, 32, 32) and data['train_images'].dtype == np.uint8
+    raw = pickle.loads((folder / 'data_batch_2').read_bytes())
+    np.testing.assert_array_equal(data['train_labels'][30:60], raw['labels'])
+    np.testing.assert_array_equal(data['train_images'][30:60].reshape(30, -1), raw['data'])
+    assert data['provenance'].startswith('NOT the official CIFAR-10')
+
+
+@pytest.mark.parametrize('damage, message', [
+    (lambda p: p.write_bytes(p.read_bytes()[:len(p.read_bytes()) // 2]), 'truncated or corrupt'),
+    (lambda p: p.write_bytes(b'\x00' * 100), 'truncated or corrupt'),
+    (lambda p: p.unlink(), 'missing'),
+    (lambda p: write_batch(p, np.zeros((5, 3, 32, 31), np.uint8), [0] * 5, 'x'), 'wrong layout'),
+    (lambda p: write_batch(p, np.zeros((5, 3, 32, 32), np.uint8), [0, 1, 2, 3, 10], 'x'), 'labels outside'),
+    (lambda p: write_batch(p, np.zeros((5, 3, 32, 32), np.uint8), [0] * 4, 'x'), 'one integer label per image'),
+])
+def test_damaged_batch_files_are_refused(tmp_path, damage, message):
+    folder = write_dataset(tmp_path, per_batch=20, n_test=20)
+    damage(folder / 'data_batch_3')
+    with pytest.raises(T.UserError, match=message):
+        T.load_cifar10(folder)
+
+
+def make_archive(tmp_path):
+    """A gzip tarball of a generated dataset, as the official archive is laid out; (bytes, md5)."""
+    source = tmp_path / 'source'
+    write_dataset(source, per_batch=20, n_test=20)
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode='w:gz') as tar:
+        tar.add(source / T.BATCHES_DIR, arcname=T.BATCHES_DIR)
+    archive = buffer.getvalue()
+    return archive, hashlib.md5(archive).hexdigest()
+
+
+@pytest.fixture
+def server():
+    """A file server on loopback that counts its requests."""
+    files, hits = {}, []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            hits.append(self.path)
+            body = files.get(self.path)
+            if body is None:
+                self.send_error(404)
+                return
+            self.send_response(200)
+            self.send_header('Content-Length', str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(('127.0.0.1', 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield f'http://127.0.0.1:{httpd.server_address[1]}', files, hits
+    httpd.shutdown()
+
+
+def leftovers(data_dir):
+    return sorted(p.name for p in Path(data_dir).iterdir())
+
+
+def test_download_checks_md5_extracts_and_never_downloads_again(tmp_path, server):
+    url, files, hits = server
+    archive, md5 = make_archive(tmp_path)
+    files['/cifar-10-python.tar.gz'] = archive
+    data_dir = tmp_path / 'data'
+    folder = T.ensure_cifar10(data_dir, url + '/cifar-10-python.tar.gz', md5)
+    assert leftovers(data_dir) == ['cifar-10-batches-py', 'cifar-10-python.tar.gz']
+    assert len(T.load_cifar10(folder)['train_labels']) == 100
+    assert T.ensure_cifar10(data_dir, url + '/cifar-10-python.tar.gz', md5) == folder
+    shutil.rmtree(data_dir / T.BATCHES_DIR)
+    T.ensure_cifar10(data_dir, url + '/cifar-10-python.tar.gz', md5)  # extracts the kept archive
+    assert len(hits) == 1
+
+
+def test_wrong_checksum_is_refused_and_nothing_is_kept(tmp_path, server):
+    url, files, _ = server
+    archive, _ = make_archive(tmp_path)
+    files['/a.tar.gz'] = archive
+    data_dir = tmp_path / 'data'
+    with pytest.raises(T.UserError, match='md5'):
+        T.ensure_cifar10(data_dir, url + '/a.tar.gz', '0' * 32)
+    assert leftovers(data_dir) == []
+
+
+def test_corrupt_archive_is_refused_and_nothing_is_extracted(tmp_path):
+    archive, _ = make_archive(tmp_path)
+    truncated = archive[:len(archive) // 2]
+    (tmp_path / 'cut.tar.gz').write_bytes(truncated)
+    data_dir = tmp_path / 'data'
+    with pytest.raises(T.UserError, match='truncated or corrupt'):   # served from a local file
+        T.ensure_cifar10(data_dir, (tmp_path / 'cut.tar.gz').as_uri(), hashlib.md5(truncated).hexdigest())
+    assert leftovers(data_dir) == ['cut.tar.gz']                      # no batches, no staging folder
+    (tmp_path / 'garbage.tar.gz').write_bytes(gzip.compress(b'not a tar file' * 100))
+    with pytest.raises(T.UserError, match='truncated or corrupt'):
+        T.ensure_cifar10(tmp_path / 'data2', (tmp_path / 'garbage.tar.gz').as_uri(),
+                         T.file_md5(tmp_path / 'garbage.tar.gz'))
+
+
+def test_no_network_gives_one_clear_error(tmp_path, server):
+    url, _, _ = server
+    with pytest.raises(T.UserError, match='cannot download'):
+        T.ensure_cifar10(tmp_path / 'data', url + '/missing.tar.gz')   # 404
+    with pytest.raises(T.UserError, match='cannot download'):
+        T.ensure_cifar10(tmp_path / 'data', 'http://127.0.0.1:9/cifar-10-python.tar.gz')  # refused
+    assert leftovers(tmp_path / 'data') == []
+
+
+@pytest.mark.parametrize('args, message', [
+    (['--epochs', '0'], '--epochs must be at least 1'),
+    (['--runs', '-1'], '--runs must be at least 1'),
+    (['--batch-size', '48'], 'multiple of 32'),
+    (['--batch-size', '2048'], 'larger than the 1000 training images'),
+    (['--cutout', '40'], '--cutout'),
+    (['--device', 'tpu'], "unknown --device 'tpu'"),
+    (['--device', 'cuda'], 'no CUDA GPU'),
+    (['--gpu-price', '-1'], '--gpu-price'),
+])
+def test_bad_options_get_one_line_and_a_nonzero_exit(dataset, args, message, capsys):
+    if args == ['--device', 'cuda'] and torch.cuda.is_available():
+        pytest.skip('this machine has a GPU')
+    assert T.main(['--tiny', '--data-dir', str(dataset), *args]) == 1
+    err = capsys.readouterr().err.strip()
+    assert message in err and err.startswith('error: ') and '\n' not in err
+
+
+def test_unwritable_data_dir_is_refused(tmp_path, capsys):
+    (tmp_path / 'a_file').write_text('')
+    assert T.main(['--tiny', '--data-dir', str(tmp_path / 'a_file' / 'data')]) == 1
+    assert 'cannot write to --data-dir' in capsys.readouterr().err
+
+
+def test_a_dtype_the_device_cannot_run_is_refused(monkeypatch):
+    def unsupported(*args, **kwargs):
+        raise RuntimeError('"slow_conv2d_cpu" not implemented for \'Half\'')
+    monkeypatch.setattr(T.F, 'conv2d', unsupported)
+    with pytest.raises(T.UserError, match='--dtype fp16 does not run on cpu'):
+        T.pick_dtype('fp16', torch.device('cpu'))
+
+
+# ---------------------------------------------------------------------------------------------
+# End to end
+# ---------------------------------------------------------------------------------------------
+def test_tiny_run_learns_prints_the_table_and_writes_its_files(dataset, tmp_path):
+    out = tmp_path / 'out'
+    out.mkdir()
+    result = run_script('--tiny', '--data-dir', str(dataset), '--runs', '2', '--json', str(out / 'r.json'),
+                        '--log-tsv', str(out / 'r.tsv'), '--save', str(out / 'ema.pt'), '--gpu-price', '2')
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    header = T.table_line(T.COLUMNS)
+    assert lines.count(header) == 2
+    for column in T.COLUMNS:
+        assert column in header
+    rows = [line for line in lines if len(line) == len(header) and line.split()[0].isdigit()]
+    assert len(rows) == 2 * T.TINY['epochs']
+    assert 'NOT the official CIFAR-10' in result.stdout
+    for text in ('accuracy (flip-TTA, EMA): mean', '95% confidence interval', 'min / median / max',
+                 'runs >= 94%', 'time per run: mean', 'cost per run'):
+        assert text in result.stdout
+
+    report = json.loads((out / 'r.json').read_text())
+    assert [len(r['rows']) for r in report['runs']] == [T.TINY['epochs']] * 2
+    accuracies = [r['rows'][-1]['valid_acc'] for r in report['runs']]
+    assert min(accuracies) > 0.3                                  # chance is 0.1
+    assert report['summary']['acc_mean'] == pytest.approx(np.mean(accuracies))
+    assert f"mean {100 * np.mean(accuracies):.2f}" in result.stdout
+    tsv = (out / 'r.tsv').read_text().splitlines()
+    assert tsv[0] == 'epoch\thours\ttop1Accuracy' and len(tsv) == 1 + 2 * T.TINY['epochs']
+    last = report['runs'][1]['rows'][-1]
+    assert tsv[-1].split('\t') == [str(T.TINY['epochs']), f"{last['total_time'] / 3600:.6f}", f"{100 * last['valid_acc']:.2f}"]
+
+    state = torch.load(out / 'ema.pt')
+    model = T.ResNet9(torch.zeros(27, 3, 3, 3), {**T.HYP, **T.TINY})
+    model.load_state_dict(state)                                  # the EMA model, whole
+    assert sorted(p.name for p in out.iterdir()) == ['ema.pt', 'r.json', 'r.tsv']  # no temporary files
+
+
+def test_seeds_make_runs_repeatable_and_different(dataset, tmp_path):
+    def valid_losses(seed):
+        T.main(['--tiny', '--data-dir', str(dataset), '--epochs', '1', '--seed', str(seed),
+                '--json', str(tmp_path / 'r.json')])
+        return [r['valid_loss'] for r in json.loads((tmp_path / 'r.json').read_text())['runs'][0]['rows']]
+    assert valid_losses(5) == valid_losses(5)
+    assert valid_losses(5) != valid_losses(6)
+
+
+def test_a_diverged_run_is_reported_as_failed(dataset, tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(T.HYP, 'lr_peak', 1e12)
+    status = T.main(['--tiny', '--data-dir', str(dataset), '--epochs', '3', '--json', str(tmp_path / 'r.json')])
+    out = capsys.readouterr().out
+    assert status == 1 and 'run 1 FAILED' in out and 'runs: 0 finished, 1 failed' in out
+    assert 'no run finished' in out and 'accuracy (flip-TTA' not in out
+    report = json.loads((tmp_path / 'r.json').read_text())
+    assert report['runs'][0]['failed'] and 'acc_mean' not in report['summary']
+
+
+def test_ctrl_c_prints_the_summary_of_finished_runs(dataset, monkeypatch, capsys):
+    real_run, calls = T.train_run, []
+
+    def interrupted_second_run(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:                                       # warm-up, run 1, then Ctrl-C in run 2
+            raise KeyboardInterrupt
+        return real_run(*args, **kwargs)
+    monkeypatch.setattr(T, 'train_run', interrupted_second_run)
+    assert T.main(['--tiny', '--data-dir', str(dataset), '--epochs', '1', '--runs', '3']) == 130
+    out = capsys.readouterr().out
+    assert 'interrupted: summary of the 1 finished run(s)' in out and 'runs: 1 finished, 0 failed' in out
+
+
+def test_pasted_into_a_notebook_cell(dataset, tmp_path):
+    """Colab runs a cell with the kernel's argv and no __file__; main() in a later cell works."""
+    (tmp_path / 'data' / T.BATCHES_DIR).mkdir(parents=True)       # ./data: present but empty
+    cell = f"""
+import sys
+sys.argv = ['/usr/local/lib/python3/dist-packages/colab_kernel_launcher.py', '-f', '/root/kernel-1.json']
+namespace = {{'__name__': '__main__'}}
+exec(compile(open({str(SCRIPT)!r}).read(), '<cell>', 'exec'), namespace)   # cell 1: the pasted file
+print('cell 1 done')
+status = namespace['main'](['--tiny', '--data-dir', {str(dataset)!r}, '--epochs', '1'])  # cell 2
+print('cell 2 status', status)
+"""
+    result = subprocess.run([sys.executable, '-c', cell], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert result.returncode == 0, result.stderr
+    # cell 1 parsed no arguments (the defaults: ./data), failed on the empty folder, raised nothing
+    assert 'unrecognized arguments' not in result.stderr and 'Traceback' not in result.stderr
+    assert f"data/{T.BATCHES_DIR}/data_batch_1 is missing" in result.stderr
+    assert 'cell 1 done' in result.stdout
+    assert 'cell 2 status 0' in result.stdout and 'train_cifar10.py n/a' in result.stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# A real copy of CIFAR-10, when CIFAR10_DIR points at one
+# ---------------------------------------------------------------------------------------------
+CIFAR10_DIR = os.environ.get('CIFAR10_DIR')
+needs_cifar10 = pytest.mark.skipif(not CIFAR10_DIR, reason='set CIFAR10_DIR to a folder holding cifar-10-batches-py/')
+
+
+@needs_cifar10
+def test_real_copy_has_the_official_counts():
+    data = T.load_cifar10(T.ensure_cifar10(CIFAR10_DIR))
+    assert data['train_images'].shape == (50000, 3, 32, 32) and data['test_images'].shape == (10000, 3, 32, 32)
+    assert np.bincount(data['train_labels']).tolist() == [5000] * 10
+    assert np.bincount(data['test_labels']).tolist() == [1000] * 10
+    means = data['train_images'].reshape(50000, 3, -1).mean(axis=(0, 2))
+    np.testing.assert_allclose(means, T.CIFAR10_MEAN, atol=0.5)  # Page's published channel means
+
+
+@needs_cifar10
+def test_tiny_run_on_the_real_copy(tmp_path):
+    result = run_script('--tiny', '--data-dir', CIFAR10_DIR, '--json', str(tmp_path / 'r.json'))
+    assert result.returncode == 0, result.stderr
+    report = json.loads((tmp_path / 'r.json').read_text())
+    assert report['runs'][0]['rows'][-1]['valid_acc'] > 0.2      # chance is 0.1
+    print(result.stdout)
