@@ -599,3 +599,101 @@ def test_tiny_run_on_the_real_copy(tmp_path):
     report = json.loads((tmp_path / 'r.json').read_text())
     assert report['runs'][0]['rows'][-1]['valid_acc'] > 0.2      # chance is 0.1
     print(result.stdout)
+
+
+# ---------------------------------------------------------------------------------------------
+# Data-parallel training under torchrun, on the CPU with gloo
+# ---------------------------------------------------------------------------------------------
+def torchrun(*args, nproc=2):
+    return subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone',
+                           f'--nproc_per_node={nproc}', *map(str, args)],
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_two_ranks_print_one_table_and_rank_0_writes_the_files(dataset, tmp_path):
+    result = torchrun(SCRIPT, '--tiny', '--epochs', '2', '--data-dir', dataset, '--json', tmp_path / 'r.json',
+                      '--log-tsv', tmp_path / 'r.tsv', '--save', tmp_path / 'ema.pt')
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert '2 ranks (gloo), 32 images each per step' in out
+    assert out.count(T.table_line(T.COLUMNS)) == 1 and out.count('run 1/1') == 1 and out.count('time per run') == 1
+    report = json.loads((tmp_path / 'r.json').read_text())
+    assert report['ranks'] == 2 and len(report['runs'][0]['rows']) == 2
+    assert report['runs'][0]['rows'][-1]['valid_acc'] > 0.3      # chance is 0.1
+    assert len((tmp_path / 'r.tsv').read_text().splitlines()) == 3
+    T.ResNet9(torch.zeros(27, 3, 3, 3), {**T.HYP, **T.TINY}).load_state_dict(torch.load(tmp_path / 'ema.pt'))
+
+
+WORKER = """
+import json, sys, torch, torch.distributed as dist
+sys.path.insert(0, {repo!r})
+import train_cifar10 as T
+rank, _, world = T.torchrun_ranks()
+if world > 1:
+    dist.init_process_group('gloo')
+data = T.load_cifar10(T.ensure_cifar10({data!r}))
+cpu, out = torch.device('cpu'), {out!r}
+if world > 1:  # 30 steps of --tiny: the ranks must still agree bit for bit
+    torch.manual_seed(0)
+    rows, ema = T.train_run(data, {{**T.HYP, **T.TINY, 'epochs': 2}}, cpu, torch.float32, lambda row: None)
+    torch.save(ema.state_dict(), f'{{out}}/long_{{rank}}.pt')
+# 3 steps of 64 images with an EMA update (and its batch-norm averaging) after every step
+short = {{k: v[:192] if k.startswith('train') else v for k, v in data.items()}}
+torch.manual_seed(0)
+rows, ema = T.train_run(short, {{**T.HYP, **T.TINY, 'epochs': 1, 'ema_every': 1}}, cpu, torch.float32, lambda row: None)
+torch.save(ema.state_dict(), f'{{out}}/short_{{world}}_{{rank}}.pt')
+(open(f'{{out}}/rows_{{world}}_{{rank}}.json', 'w')).write(json.dumps(rows))
+"""
+
+
+def test_two_ranks_train_as_one_process_and_stay_identical(dataset, tmp_path):
+    """2 ranks at global batch 64 train the model one process trains at batch 64 with the same seed.
+
+    The comparison covers 3 steps: in fp32 this network's training amplifies any rounding
+    difference (the sum of 64 gradients in one pass or in two halves differs in the last bit), as
+    max-pooling hands the gradient to another pixel once a near-tie flips; the same happens to one
+    process whose initial weights move by 1e-8. The ranks, which share every all-reduce, must agree
+    bit for bit however long they train.
+    """
+    worker = tmp_path / 'worker.py'
+    worker.write_text(WORKER.format(repo=str(SCRIPT.parent), data=str(dataset), out=str(tmp_path)))
+    single = subprocess.run([sys.executable, str(worker)], capture_output=True, text=True, timeout=300,
+                            env={**os.environ, 'OMP_NUM_THREADS': '1'})   # as torchrun sets for each rank
+    assert single.returncode == 0, single.stderr
+    ranks = torchrun(worker)
+    assert ranks.returncode == 0, ranks.stderr
+
+    rank0, rank1 = torch.load(tmp_path / 'long_0.pt'), torch.load(tmp_path / 'long_1.pt')
+    assert all(torch.equal(rank0[k], rank1[k]) for k in rank0)
+    one, two = torch.load(tmp_path / 'short_1_0.pt'), torch.load(tmp_path / 'short_2_0.pt')
+    assert all(torch.equal(two[k], torch.load(tmp_path / 'short_2_1.pt')[k]) for k in two)
+    for name in one:                                             # weights, EMA and BN statistics
+        torch.testing.assert_close(two[name], one[name], rtol=1e-4, atol=1e-5 * float(one[name].abs().max()))
+    row_one = json.loads((tmp_path / 'rows_1_0.json').read_text())[0]
+    row_two = json.loads((tmp_path / 'rows_2_0.json').read_text())[0]
+    for key in ('train_loss', 'train_acc', 'valid_loss', 'valid_acc'):    # counts summed over the ranks
+        assert row_two[key] == pytest.approx(row_one[key], rel=1e-4)
+
+
+def test_a_batch_that_does_not_split_over_the_ranks_stops_the_job(dataset):
+    result = torchrun(SCRIPT, '--tiny', '--data-dir', dataset, '--batch-size', '32')
+    assert result.returncode != 0
+    assert 'error (rank 0): --batch-size must be a positive multiple of 64 over 2 ranks' in result.stderr
+    assert T.table_line(T.COLUMNS) not in result.stdout
+
+
+def test_ranks_take_interleaved_shares_of_one_shuffled_order():
+    n, batch = 640, 64
+    padded = F.pad(torch.arange(n, dtype=torch.float32).view(n, 1, 1, 1).expand(n, 3, 32, 32), (4,) * 4, mode='reflect')
+    labels = torch.arange(n) % 10
+    hyp = {**T.HYP, 'batch_size': batch, 'cutout': 0}
+    shares = []
+    for rank in range(4):
+        torch.manual_seed(7)
+        images, _, steps = T.augmented_epoch(padded, labels, hyp, rank, 4)
+        shares.append(images[:, 0, 0, 0].long().view(steps, batch // 4))
+    torch.manual_seed(7)
+    whole, _, _ = T.augmented_epoch(padded, labels, hyp)
+    whole = whole[:, 0, 0, 0].long().view(steps, batch)
+    for rank in range(4):                                        # rank r: images r, r+4, ... of each batch
+        assert torch.equal(shares[rank], whole[:, rank::4])

@@ -2,6 +2,7 @@
 
     python train_cifar10.py --epochs 10 --runs 50     # the recipe, 50 times, with a summary
     python train_cifar10.py --tiny                    # proves an install in seconds on a CPU
+    torchrun --nproc_per_node=8 train_cifar10.py      # data-parallel over 8 GPUs, same results
 
 This is the final recipe of David Page's series "How to train your ResNet" (Myrtle.ai, 2018-19),
 which reached 94.1% mean test accuracy in 10 epochs (26 s on one V100) and topped DAWNBench:
@@ -14,14 +15,16 @@ the training device over whole batches, so the GPU never waits for a Python loop
 Read top to bottom: hyperparameters, data, augmentation, network, training, evaluation,
 reporting, main. Depends on torch and numpy only.
 
-Evidence: measured figures (GPU, torch version, date, number of runs) are in README.md and backed
-by run_log.txt. The --tiny run takes about 13 s on a 2-core CPU (torch 2.13.0, 2026-11-21).
+Evidence, as measured (README.md has the table): no GPU has timed this version yet. On a 2-core
+x86_64 CPU with torch 2.13.0+cpu (2026-11-21), --tiny on the JPEG-derived CIFAR-10 stand-in
+finishes in 15-17 s of wall time (3 runs).
 """
 import argparse
 import codecs
 import copy
 import hashlib
 import http.client
+import inspect
 import io
 import json
 import math
@@ -39,6 +42,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -73,9 +77,9 @@ HYP = dict(
     eval_batch_size=1000,    # any size gives the same results; 1000 divides the 10,000 test images
 )
 # --tiny: the same code path on a subset with a narrow network, so that a 2-core CPU finishes in
-# seconds (2 cores, torch 2.13.0: about 13 s in all) and still learns well above chance. Its ~190
-# steps are fewer than the EMA's horizon at 0.99 (~100 steps), so its EMA forgets faster; 250 test
-# images per batch fit a CPU's caches better than 1000.
+# seconds and still learns well above chance. Its 184 steps are too few for the EMA's horizon at
+# 0.99 (~100 steps: the average would still hold the first, poor epochs), so its EMA uses 0.9
+# (~10 steps). 250 test images per batch fit a CPU's caches better than 1000.
 TINY = dict(epochs=4, batch_size=64, train_images=3000, test_images=500, channels=(8, 16, 32, 64),
             ema_momentum=0.9, eval_batch_size=250)
 
@@ -281,13 +285,20 @@ def cutout(images, size):
     return images.masked_fill(inside[:, None], 0)
 
 
-def augmented_epoch(padded, labels, hyp):
-    """A fresh crop, flip (and cutout) of every image, shuffled and cut into whole batches."""
+def augmented_epoch(padded, labels, hyp, rank=0, world=1):
+    """A fresh crop, flip (and cutout) of every image, shuffled and cut into whole batches.
+
+    With several ranks, every rank draws the same augmentation and order (same seed) and keeps
+    images rank, rank+world, ... of each batch: the ghost batch-norm splits (images k, k+s, ...)
+    then hold the same images as in one process at the same global batch size.
+    """
     images = random_flip(random_crop(padded, 32))
     if hyp['cutout']:
         images = cutout(images, hyp['cutout'])
-    steps = len(images) // hyp['batch_size']  # drop the last partial batch
-    order = torch.randperm(len(images), device=images.device)[:steps * hyp['batch_size']]
+    b = hyp['batch_size']
+    steps = len(images) // b  # drop the last partial batch
+    order = torch.randperm(len(images), device=images.device)[:steps * b]
+    order = order.view(steps, b // world, world)[:, :, rank].reshape(-1)  # this rank's share
     return images[order], labels[order], steps
 
 
@@ -422,13 +433,31 @@ def ema_tensors(model):
 
 
 @torch.no_grad()
+def average_over_ranks(tensors):
+    """Replace each tensor by its mean over all ranks, in one all-reduce."""
+    flat = torch.cat([t.flatten() for t in tensors]) / dist.get_world_size()
+    dist.all_reduce(flat)
+    for t, mean in zip(tensors, flat.split([t.numel() for t in tensors])):
+        t.copy_(mean.view_as(t))
+
+
+@torch.no_grad()
 def ema_update(ema, model, momentum):
     """ema <- momentum x ema + (1 - momentum) x model, tensor by tensor, in a few fused launches."""
     torch._foreach_lerp_(ema_tensors(ema), ema_tensors(model), 1 - momentum)
 
 
 def train_epoch(model, ema, opt, images, labels, steps, first_step, hyp):
-    """One pass over the shuffled batches. Loss and correct counts stay on the device."""
+    """One pass over the shuffled batches. Loss and correct counts stay on the device.
+
+    Under DistributedDataParallel, model is the wrapper: it averages the gradients over the ranks,
+    so each rank's summed loss is scaled by the number of ranks to give the gradient of the loss
+    summed over the global batch. Batch-norm statistics, which each rank gathers from its own
+    images, are averaged over the ranks before each EMA update; the EMA then stays identical on
+    every rank, and equal to one process's, since both averages are linear.
+    """
+    net = getattr(model, 'module', model)
+    world = dist.get_world_size() if dist.is_initialized() else 1
     knots, values = lr_knots(hyp)
     batch = len(images) // steps
     loss_sum = torch.zeros((), device=images.device)
@@ -442,10 +471,13 @@ def train_epoch(model, ema, opt, images, labels, steps, first_step, hyp):
         logits = model(x)
         loss = F.cross_entropy(logits.float(), y, label_smoothing=hyp['label_smoothing'], reduction='sum')
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        (loss * world).backward()
         opt.step()
         if step % hyp['ema_every'] == 0:
-            ema_update(ema, model, hyp['ema_momentum'] ** hyp['ema_every'])
+            if world > 1:
+                average_over_ranks([b for m in net.modules() if isinstance(m, nn.BatchNorm2d)
+                                    for b in (m.running_mean, m.running_var)])
+            ema_update(ema, net, hyp['ema_momentum'] ** hyp['ema_every'])
         loss_sum += loss.detach()
         correct += (logits.argmax(1) == y).sum()
     return loss_sum, correct, lr
@@ -475,11 +507,25 @@ def evaluate(model, images, labels, hyp):
 # One run, timed by the DAWNBench rule
 # =============================================================================================
 def synchronize(device):
-    """Wait for the device's queued work, so that a clock read after it means something."""
+    """Wait for the device's queued work, and for every rank, so that a clock read after it
+    means something."""
     if device.type == 'cuda':
         torch.cuda.synchronize(device)
     elif device.type == 'mps':
         torch.mps.synchronize()
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def data_parallel(net, device):
+    """DistributedDataParallel: copies rank 0's weights and buffers to every rank, then averages
+    the gradients. It must not also copy rank 0's batch-norm statistics at every forward, since
+    train_epoch averages them over the ranks instead; torch >= 2.13 calls that option
+    forward_sync_buffers, earlier versions broadcast_buffers."""
+    options = inspect.signature(nn.parallel.DistributedDataParallel).parameters
+    no_forward_sync = 'forward_sync_buffers' if 'forward_sync_buffers' in options else 'broadcast_buffers'
+    return nn.parallel.DistributedDataParallel(
+        net, device_ids=[device] if device.type == 'cuda' else None, **{no_forward_sync: False})
 
 
 def train_run(data, hyp, device, dtype, on_epoch):
@@ -487,25 +533,28 @@ def train_run(data, hyp, device, dtype, on_epoch):
 
     The clock covers everything a lone run does: upload, normalisation, padding, whitening,
     building the model, and the training epochs. It stops for validation and is read only after
-    a device sync, at epoch boundaries, never once per step.
+    a device sync, at epoch boundaries, never once per step. Under torchrun each rank trains on
+    its share of every batch and evaluates its share of the test set; the counts are summed.
     """
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     synchronize(device)
     start = time.perf_counter()
     train = normalise(data['train_images'], device, dtype)
     train_labels = torch.from_numpy(data['train_labels']).to(device)
-    test = normalise(data['test_images'], device, dtype)
-    test_labels = torch.from_numpy(data['test_labels']).to(device)
+    test = normalise(data['test_images'][rank::world], device, dtype)  # this rank's share
+    test_labels = torch.from_numpy(data['test_labels'][rank::world]).to(device)
     padded = F.pad(train, (hyp['pad'],) * 4, mode='reflect')
     whitening = whitening_filters(train[:hyp['whitening_images']], hyp['whitening_eps'])
-    model = to_training_precision(ResNet9(whitening, hyp).to(device), dtype)
-    ema = copy.deepcopy(model).eval().requires_grad_(False)  # the model that is evaluated
-    opt = optimiser(model, hyp)
+    net = to_training_precision(ResNet9(whitening, hyp).to(device), dtype)
+    model = data_parallel(net, device) if world > 1 else net
+    ema = copy.deepcopy(net).eval().requires_grad_(False)  # the model that is evaluated
+    opt = optimiser(net, hyp)
     synchronize(device)
     total_time = time.perf_counter() - start
     rows, step = [], 0
     for epoch in range(1, hyp['epochs'] + 1):
         start = time.perf_counter()
-        images, labels, steps = augmented_epoch(padded, train_labels, hyp)
+        images, labels, steps = augmented_epoch(padded, train_labels, hyp, rank, world)
         train_loss, train_correct, lr = train_epoch(model, ema, opt, images, labels, steps, step, hyp)
         step += steps
         synchronize(device)
@@ -515,10 +564,15 @@ def train_run(data, hyp, device, dtype, on_epoch):
         valid_loss, valid_correct = evaluate(ema, test, test_labels, hyp)
         synchronize(device)
         valid_time = time.perf_counter() - start
+        sums = torch.stack([train_loss, train_correct.float(), valid_loss, valid_correct.float()])
+        if world > 1:
+            dist.all_reduce(sums)
+        train_loss, train_correct, valid_loss, valid_correct = sums.tolist()
+        n_train, n_test = steps * hyp['batch_size'], len(data['test_images'])
         row = dict(epoch=epoch, lr=lr, train_time=train_time,
-                   train_loss=train_loss.item() / len(images), train_acc=train_correct.item() / len(images),
-                   valid_time=valid_time, valid_loss=valid_loss.item() / len(test),
-                   valid_acc=valid_correct.item() / len(test), total_time=total_time)
+                   train_loss=train_loss / n_train, train_acc=train_correct / n_train,
+                   valid_time=valid_time, valid_loss=valid_loss / n_test,
+                   valid_acc=valid_correct / n_test, total_time=total_time)
         rows.append(row)
         on_epoch(row)
         if not (math.isfinite(row['train_loss']) and math.isfinite(row['valid_loss'])):
@@ -685,7 +739,14 @@ def in_notebook_cell():
     return os.path.basename(sys.argv[0]).endswith('kernel_launcher.py')
 
 
-def pick_device(name):
+def torchrun_ranks():
+    """(rank, local rank, world size) as torchrun sets them; (0, 0, 1) for a plain process."""
+    return tuple(int(os.environ.get(name, default)) for name, default in
+                 (('RANK', 0), ('LOCAL_RANK', 0), ('WORLD_SIZE', 1)))
+
+
+def pick_device(name, local_rank=None):
+    """The training device. Under torchrun (local_rank given) each rank takes its own GPU."""
     if name == 'auto':
         name = 'cuda' if torch.cuda.is_available() else 'mps' if torch.backends.mps.is_available() else 'cpu'
     try:
@@ -696,11 +757,15 @@ def pick_device(name):
         if not torch.cuda.is_available():
             raise UserError('--device cuda: torch sees no CUDA GPU (a CPU-only build, or no driver); '
                             'use --device cpu or install a CUDA build of torch')
+        if local_rank is not None:
+            device = torch.device('cuda', local_rank)
         if (device.index or 0) >= torch.cuda.device_count():
-            raise UserError(f'--device {name}: only {torch.cuda.device_count()} CUDA device(s) are visible')
+            raise UserError(f'{device} is not there: only {torch.cuda.device_count()} CUDA device(s) are visible')
     elif device.type == 'mps':
         if not torch.backends.mps.is_available():
             raise UserError('--device mps: MPS is not available on this machine; use --device cpu')
+        if local_rank is not None:
+            raise UserError('several ranks train on cuda (NCCL) or cpu (gloo), not mps')
     elif device.type != 'cpu':
         raise UserError(f'--device {name}: this script runs on cuda, mps or cpu')
     return device
@@ -723,85 +788,113 @@ def pick_dtype(name, device):
     return dtype
 
 
-def check_options(args, hyp):
+def check_options(args, hyp, world):
     """Refuse, before any work, the options that cannot make a sensible run."""
     for name in ('epochs', 'runs'):
         if getattr(args, name) <= 0:
             raise UserError(f'--{name} must be at least 1, not {getattr(args, name)}')
-    if hyp['batch_size'] <= 0 or hyp['batch_size'] % hyp['bn_split_size']:
-        raise UserError(f"--batch-size must be a positive multiple of {hyp['bn_split_size']} "
-                        f"(the ghost batch-norm split), not {hyp['batch_size']}")
+    split = hyp['bn_split_size']
+    if hyp['batch_size'] <= 0 or hyp['batch_size'] % (world * split):
+        ranks = f' over {world} ranks (each rank takes a share of whole splits)' if world > 1 else ''
+        raise UserError(f"--batch-size must be a positive multiple of {world * split}{ranks}, "
+                        f"as ghost batch norm splits batches into {split} images; not {hyp['batch_size']}")
     if not 0 <= hyp['cutout'] <= 32:
         raise UserError(f"--cutout must be between 0 and 32 pixels, not {hyp['cutout']}")
     if args.gpu_price is not None and args.gpu_price < 0:
         raise UserError(f'--gpu-price must not be negative, not {args.gpu_price}')
 
 
+def prepare_data(args, hyp, local_rank, world):
+    """Load (downloading if needed) the data set, the --tiny subset of it, and check the batch size.
+    Under torchrun one rank per machine downloads while the others wait, then they all read it."""
+    if world > 1 and local_rank != 0:
+        dist.barrier()
+    folder = ensure_cifar10(args.data_dir)
+    if world > 1 and local_rank == 0:
+        dist.barrier()
+    data = load_cifar10(folder)
+    if args.tiny:
+        for split in ('train', 'test'):
+            for key in (f'{split}_images', f'{split}_labels'):
+                data[key] = data[key][:hyp[f'{split}_images']]
+    if hyp['batch_size'] > len(data['train_images']):
+        raise UserError(f"--batch-size {hyp['batch_size']} is larger than the "
+                        f"{len(data['train_images'])} training images")
+    return data
+
+
 def main(argv=None):
-    """Train --runs models, print the table and the summary; returns the exit status."""
+    """Train --runs models, print the table and the summary; returns the exit status.
+
+    Run plainly, this is one process. Run under torchrun, it is one rank of a process group
+    (NCCL on CUDA, gloo on CPU) and only rank 0 prints and writes files.
+    """
     if argv is None:
         argv = [] if in_notebook_cell() else sys.argv[1:]
     args = parse_args(argv)
     hyp = {**HYP, **(TINY if args.tiny else {}),
            'epochs': args.epochs, 'batch_size': args.batch_size, 'cutout': args.cutout}
+    rank, local_rank, world = torchrun_ranks()
+    log = print if rank == 0 else (lambda *_, **__: None)
     try:
-        check_options(args, hyp)
-        device = pick_device(args.device)
+        check_options(args, hyp, world)
+        device = pick_device(args.device, local_rank if world > 1 else None)
         dtype = pick_dtype(args.dtype, device)
-        data = load_cifar10(ensure_cifar10(args.data_dir))
-        if args.tiny:
-            for split in ('train', 'test'):
-                for key in (f'{split}_images', f'{split}_labels'):
-                    data[key] = data[key][:hyp[f'{split}_images']]
-        if hyp['batch_size'] > len(data['train_images']):
-            raise UserError(f"--batch-size {hyp['batch_size']} is larger than the "
-                            f"{len(data['train_images'])} training images")
-    except UserError as e:
-        print(f'error: {e}', file=sys.stderr)
+        if world > 1:
+            if device.type == 'cuda':
+                torch.cuda.set_device(device)
+            dist.init_process_group('nccl' if device.type == 'cuda' else 'gloo')
+        data = prepare_data(args, hyp, local_rank, world)
+    except UserError as e:  # torchrun stops the other ranks when one exits with an error
+        print(f"error{f' (rank {rank})' if world > 1 else ''}: {e}", file=sys.stderr)
         return 1
     if device.type == 'cuda':
         torch.backends.cudnn.benchmark = True  # fixed shapes: let cuDNN pick the fastest kernels
 
-    print(f'train_cifar10.py {script_hash()} | torch {torch.__version__} | {device_description(device)}')
-    print(f"dtype {str(dtype).replace('torch.', '')} (batch norm fp32) | seed {args.seed} | "
-          f"{len(data['train_images'])} train / {len(data['test_images'])} test images")
-    print('hyperparameters: ' + ', '.join(f'{k}={v}' for k, v in hyp.items()))
-    print(f"data: {data['provenance']}")
-    print("valid = flip-TTA accuracy of the EMA model; total time = preprocessing + training "
-          "(DAWNBench rule: validation excluded, after a warm-up)")
+    ranks = f" | {world} ranks ({dist.get_backend()}), {hyp['batch_size'] // world} images each per step" if world > 1 else ''
+    log(f'train_cifar10.py {script_hash()} | torch {torch.__version__} | {device_description(device)}{ranks}')
+    log(f"dtype {str(dtype).replace('torch.', '')} (batch norm fp32) | seed {args.seed} | "
+        f"{len(data['train_images'])} train / {len(data['test_images'])} test images")
+    log('hyperparameters: ' + ', '.join(f'{k}={v}' for k, v in hyp.items()))
+    log(f"data: {data['provenance']}")
+    log("valid = flip-TTA accuracy of the EMA model; total time = preprocessing + training "
+        "(DAWNBench rule: validation excluded, after a warm-up)")
 
     runs, ema = [], None
     try:
         warm_up(data, hyp, device, dtype)
         for run in range(args.runs):
-            torch.manual_seed(args.seed + run)
-            print(f'\nrun {run + 1}/{args.runs} (seed {args.seed + run})')
-            print(table_line(COLUMNS))
-            rows, ema = train_run(data, hyp, device, dtype, on_epoch=lambda row: print(table_row(row), flush=True))
+            torch.manual_seed(args.seed + run)  # the same on every rank: one shared order
+            log(f'\nrun {run + 1}/{args.runs} (seed {args.seed + run})')
+            log(table_line(COLUMNS))
+            rows, ema = train_run(data, hyp, device, dtype, on_epoch=lambda row: log(table_row(row), flush=True))
             failed = len(rows) < hyp['epochs'] or not math.isfinite(rows[-1]['valid_loss'])
             if failed:
-                print(f'run {run + 1} FAILED: the loss became NaN in epoch {len(rows)}')
+                log(f'run {run + 1} FAILED: the loss became NaN in epoch {len(rows)}')
             runs.append(dict(run=run + 1, seed=args.seed + run, failed=failed, rows=rows,
                              accuracy=rows[-1]['valid_acc'], time_s=rows[-1]['total_time']))
     except KeyboardInterrupt:
-        print(f'\ninterrupted: summary of the {len(runs)} finished run(s)')
+        log(f'\ninterrupted: summary of the {len(runs)} finished run(s)')
     summary = summarize(runs, args.gpu_price)
     if device.type == 'cuda':
         summary['peak_memory_gb'] = torch.cuda.max_memory_allocated(device) / 1e9
-    print('\n' + '\n'.join(summary_lines(summary)))
+    log('\n' + '\n'.join(summary_lines(summary)))
 
-    if args.json:
+    if rank == 0 and args.json:
         report = dict(script_sha256=script_hash(), torch=torch.__version__, device=device_description(device),
-                      dtype=str(dtype), hyperparameters=hyp, data=data['provenance'], runs=runs, summary=summary)
+                      ranks=world, dtype=str(dtype), hyperparameters=hyp, data=data['provenance'],
+                      runs=runs, summary=summary)
         text = json.dumps(json_ready(report), indent=1, allow_nan=False)
         write_atomically(args.json, lambda f: f.write(text.encode()))
-    if args.log_tsv:
+    if rank == 0 and args.log_tsv:
         lines = ['epoch\thours\ttop1Accuracy'] + [
             f"{row['epoch']}\t{row['total_time'] / 3600:.6f}\t{100 * row['valid_acc']:.2f}"
             for run in runs for row in run['rows']]
         write_atomically(args.log_tsv, lambda f: f.write(('\n'.join(lines) + '\n').encode()))
-    if args.save and ema is not None:
+    if rank == 0 and args.save and ema is not None:
         write_atomically(args.save, lambda f: torch.save(ema.state_dict(), f))
+    if dist.is_initialized():
+        dist.destroy_process_group()
     if len(runs) < args.runs:
         return 130  # the shell's code for Ctrl-C
     return 1 if summary['failed'] else 0
