@@ -127,6 +127,7 @@ def test_whitening_filters_follow_the_eigenvalues_in_descending_order():
     (10, 0, 0.0), (10, 1, 0.5), (10, 2, 1.0),                     # warm-up to the peak at epochs/5
     (10, 5, 0.55), (10, 8, 0.1), (10, 9.5, 0.1), (10, 10, 0.1),   # down to the floor at epochs-2
     (20, 4, 1.0), (20, 11, 0.55), (20, 18, 0.1),                  # the knots scale with epochs
+    (1, 0.2, 1.0), (1, 0.4, 0.55), (1, 0.6, 0.1), (2, 0.4, 1.0), (2, 1.2, 0.1),  # too short for 2 floor epochs
 ])
 def test_schedule_at_and_between_knots(epochs, epoch, expected):
     knots, values = T.lr_knots({**T.HYP, 'epochs': epochs})

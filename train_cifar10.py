@@ -407,10 +407,13 @@ def piecewise_linear(x, knots, values):
 
 
 def lr_knots(hyp):
-    """Page's schedule in epochs: 0 -> peak at epochs/5 -> floor from epochs - floor_epochs on."""
+    """Page's schedule in epochs: 0 -> peak at epochs/5 -> floor from epochs - floor_epochs on.
+    Runs too short for that (2.5 epochs or less) reach the floor halfway from the peak to the end."""
     epochs = hyp['epochs']
-    peak = epochs / 5
-    return [0, peak, max(epochs - hyp['floor_epochs'], peak)], [0, hyp['lr_peak'], hyp['lr_floor']]
+    peak, floor = epochs / 5, epochs - hyp['floor_epochs']
+    if floor <= peak:
+        floor = (peak + epochs) / 2
+    return [0, peak, floor], [0, hyp['lr_peak'], hyp['lr_floor']]
 
 
 def optimiser(model, hyp):
@@ -843,7 +846,8 @@ def main(argv=None):
         if world > 1:
             if device.type == 'cuda':
                 torch.cuda.set_device(device)
-            dist.init_process_group('nccl' if device.type == 'cuda' else 'gloo')
+            dist.init_process_group('nccl' if device.type == 'cuda' else 'gloo',
+                                    device_id=device if device.type == 'cuda' else None)
         data = prepare_data(args, hyp, local_rank, world)
     except UserError as e:  # torchrun stops the other ranks when one exits with an error
         print(f"error{f' (rank {rank})' if world > 1 else ''}: {e}", file=sys.stderr)
