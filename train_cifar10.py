@@ -435,6 +435,11 @@ def ema_tensors(model):
     return [t for t in model.state_dict().values() if t.is_floating_point()]
 
 
+def rank_and_world():
+    """This process's rank and the number of ranks: (0, 1) outside a process group."""
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
 @torch.no_grad()
 def average_over_ranks(tensors):
     """Replace each tensor by its mean over all ranks, in one all-reduce."""
@@ -460,7 +465,7 @@ def train_epoch(model, ema, opt, images, labels, steps, first_step, hyp):
     every rank, and equal to one process's, since both averages are linear.
     """
     net = getattr(model, 'module', model)
-    world = dist.get_world_size() if dist.is_initialized() else 1
+    _, world = rank_and_world()
     knots, values = lr_knots(hyp)
     batch = len(images) // steps
     loss_sum = torch.zeros((), device=images.device)
@@ -539,7 +544,7 @@ def train_run(data, hyp, device, dtype, on_epoch):
     a device sync, at epoch boundaries, never once per step. Under torchrun each rank trains on
     its share of every batch and evaluates its share of the test set; the counts are summed.
     """
-    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    rank, world = rank_and_world()
     synchronize(device)
     start = time.perf_counter()
     train = normalise(data['train_images'], device, dtype)
@@ -855,7 +860,9 @@ def main(argv=None):
     if device.type == 'cuda':
         torch.backends.cudnn.benchmark = True  # fixed shapes: let cuDNN pick the fastest kernels
 
-    ranks = f" | {world} ranks ({dist.get_backend()}), {hyp['batch_size'] // world} images each per step" if world > 1 else ''
+    ranks = ''
+    if world > 1:
+        ranks = f" | {world} ranks ({dist.get_backend()}), {hyp['batch_size'] // world} images each per step"
     log(f'train_cifar10.py {script_hash()} | torch {torch.__version__} | {device_description(device)}{ranks}')
     log(f"dtype {str(dtype).replace('torch.', '')} (batch norm fp32) | seed {args.seed} | "
         f"{len(data['train_images'])} train / {len(data['test_images'])} test images")
