@@ -94,30 +94,61 @@ def correlated_images(n=64, seed=0):
     return torch.einsum('ij,njhw->nihw', mix, x)                  # channel correlation
 
 
-def patch_covariance_numpy(images):
-    """The 27 x 27 covariance of all 3x3 patches, patches cut out one window at a time."""
+def patch_moment_numpy(images):
+    """The 27 x 27 uncentred second moment X^T X / (N - 1) of all 3x3 patches, cut out one window
+    at a time (Page's `cov`)."""
     x = images.numpy().astype(np.float64)
     n, c, h, w = x.shape
     patches = np.stack([x[:, :, i:i + 3, j:j + 3].reshape(n, -1) for i in range(h - 2) for j in range(w - 2)])
-    return np.cov(patches.reshape(-1, 27).T)
+    patches = patches.reshape(-1, 27)
+    return patches.T @ patches / (len(patches) - 1)
 
 
-def test_whitened_patches_have_identity_covariance():
-    images = correlated_images()
+def test_whitened_patches_have_identity_second_moment():
+    images = correlated_images() + 0.5                            # a mean far from 0: centring would matter
     filters = T.whitening_filters(images, eps=1e-9)
-    whitened = F.conv2d(images, filters)                          # every 3x3 patch, projected
-    cov = np.cov(whitened.permute(1, 0, 2, 3).reshape(27, -1).double().numpy())
-    np.testing.assert_allclose(cov, np.eye(27), atol=2e-3)
+    whitened = F.conv2d(images, filters).permute(1, 0, 2, 3).reshape(27, -1).double().numpy()
+    np.testing.assert_allclose(whitened @ whitened.T / (whitened.shape[1] - 1), np.eye(27), atol=2e-3)
 
 
-def test_whitening_filters_follow_the_eigenvalues_in_descending_order():
-    images = correlated_images(seed=1)
+def test_whitening_filters_follow_the_eigenvalues_of_the_uncentred_moment():
+    images = correlated_images(seed=1) + 0.3
     eps = 1e-2
     filters = T.whitening_filters(images, eps).reshape(27, 27).double().numpy()
-    sigma = patch_covariance_numpy(images)
-    eigenvalues = np.sort(np.linalg.eigvalsh(sigma))[::-1]
-    # filter i is v_i / sqrt(l_i + eps), so it maps the covariance to l_i / (l_i + eps) on the diagonal
-    np.testing.assert_allclose(filters @ sigma @ filters.T, np.diag(eigenvalues / (eigenvalues + eps)), atol=1e-6)
+    moment = patch_moment_numpy(images)
+    eigenvalues = np.sort(np.linalg.eigvalsh(moment))[::-1]
+    # filter i is v_i / sqrt(l_i + eps), so it maps the moment to l_i / (l_i + eps) on the diagonal
+    np.testing.assert_allclose(filters @ moment @ filters.T, np.diag(eigenvalues / (eigenvalues + eps)), atol=1e-5)
+
+
+class NoFloat64Device(torch.Tensor):
+    """A tensor on a simulated device that, like Apple's MPS, has no float64 and no unfold:
+    any operation that would make a float64 tensor on it, or unfold it, raises as MPS does.
+    .cpu() leaves the device and gives a plain CPU tensor."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func is F.unfold:
+            raise NotImplementedError("The operator 'aten::im2col' is not currently implemented for the MPS device")
+        with torch._C.DisableTorchFunctionSubclass():
+            out = func(*args, **(kwargs or {}))
+            if func is torch.Tensor.cpu:                          # here a no-op, which returns self
+                return out.as_subclass(torch.Tensor)
+        if isinstance(out, torch.Tensor):
+            if out.dtype == torch.float64:
+                raise TypeError('Cannot convert a MPS Tensor to float64 dtype as the MPS framework '
+                                "doesn't support float64. Please use float32 instead.")
+            return out.as_subclass(cls)
+        return out
+
+
+def test_whitening_runs_on_a_device_without_float64():
+    images = correlated_images(seed=2) + 0.2
+    with pytest.raises(TypeError, match='float64'):               # the simulation refuses float64
+        images.as_subclass(NoFloat64Device).double()
+    filters = T.whitening_filters(images.as_subclass(NoFloat64Device), eps=1e-2)
+    expected = T.whitening_filters(images, eps=1e-2)
+    torch.testing.assert_close(filters.as_subclass(torch.Tensor), expected)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -137,62 +168,87 @@ def test_schedule_at_and_between_knots(epochs, epoch, expected):
 def test_each_step_uses_the_schedule_at_its_own_end():
     model, hyp = small_model({'batch_size': 32, 'epochs': 10})
     opt = T.optimiser(model, hyp)
+    rates = []
+    real_step = opt.step
+    opt.step = lambda lr: (rates.append(lr), real_step(lr))
     ema = T.copy.deepcopy(model)
     images, labels = torch.randn(64, 3, 32, 32), torch.randint(0, 10, (64,))
-    *_, lr = T.train_epoch(model, ema, opt, images, labels, 2, 0, hyp)
-    assert lr == pytest.approx(0.5)                               # step 2 of 2 ends epoch 1: 1.0 x 1/2
-    assert opt.param_groups[0]['lr'] == pytest.approx(0.5 / 32)
-    assert opt.param_groups[1]['lr'] == pytest.approx(0.5 * 64 / 32)
+    *_, lr = T.train_epoch(model, opt, (T.ema_tensors(ema), T.ema_tensors(model)), images, labels, 2, 0, hyp)
+    assert rates == pytest.approx([0.25, 0.5])                    # steps 1 and 2 of 2 in epoch 1: peak 1.0 at epoch 2
+    assert lr == pytest.approx(0.5)
 
 
 # ---------------------------------------------------------------------------------------------
 # Augmentation
 # ---------------------------------------------------------------------------------------------
-def test_crop_is_a_window_of_the_padded_image():
-    torch.manual_seed(0)
-    padded = torch.rand(200, 3, 40, 40)
-    crops = T.random_crop(padded, 32)
-    seen = set()
-    for image, crop in zip(padded, crops):
-        windows = [(y, x) for y in range(9) for x in range(9) if torch.equal(image[:, y:y + 32, x:x + 32], crop)]
-        assert len(windows) == 1
-        seen.add(windows[0])
-    assert len(seen) > 40                                         # offsets spread over the 81 windows
+def test_crop_is_the_window_at_its_offsets():
+    padded = torch.rand(50, 3, 40, 40)
+    top, left = torch.randint(0, 9, (2, 50))
+    crops = T.crop(padded, top, left, 32)
+    for image, crop, y, x in zip(padded, crops, top.tolist(), left.tolist()):
+        assert torch.equal(crop, image[:, y:y + 32, x:x + 32])
 
 
-def test_flip_is_an_exact_mirror_or_the_image_itself():
-    torch.manual_seed(0)
-    images = torch.rand(400, 3, 32, 32)
-    flipped = T.random_flip(images)
-    mirrored = [torch.equal(f, i.flip(2)) for f, i in zip(flipped, images)]
-    kept = [torch.equal(f, i) for f, i in zip(flipped, images)]
-    assert all(m or k for m, k in zip(mirrored, kept))
-    assert 150 < sum(mirrored) < 250                              # about half
+def test_flip_mirrors_exactly_the_chosen_images():
+    images = torch.rand(40, 3, 32, 32)
+    which = torch.arange(40) % 3 == 0
+    flipped = T.flip(images, which)
+    for image, out, w in zip(images, flipped, which.tolist()):
+        assert torch.equal(out, image.flip(2) if w else image)
 
 
-def test_cutout_zeroes_one_square_inside_each_image():
-    torch.manual_seed(0)
-    out = T.cutout(torch.ones(100, 3, 32, 32), 8)
-    for image in out:
-        zero = (image == 0).all(0)
-        assert (image == 0).sum() == 3 * 64 and (image[:, ~zero] == 1).all()
-        rows, cols = zero.nonzero(as_tuple=True)
-        assert rows.max() - rows.min() == 7 and cols.max() - cols.min() == 7
+def test_cutout_zeroes_the_square_at_its_corner():
+    top, left = torch.tensor([0, 24, 10]), torch.tensor([0, 24, 3])
+    out = T.cutout(torch.ones(3, 3, 32, 32), top, left, 8)
+    for image, y, x in zip(out, top.tolist(), left.tolist()):
+        expected = torch.ones(3, 32, 32)
+        expected[:, y:y + 8, x:x + 8] = 0
+        assert torch.equal(image, expected)
+
+
+def test_draws_are_balanced_as_in_pages_loader():
+    """Page's loader gives each crop offset (at most 200 of them) an equal share of the images,
+    assigned at random, and flips exactly half of them."""
+    draws = T.draw_augmentation(1000, {**T.HYP, 'cutout': 8}, torch.Generator().manual_seed(0))
+    assert draws['flip'].sum() == 500
+    offsets = np.bincount((draws['top'] * 9 + draws['left']).numpy(), minlength=81)
+    assert draws['top'].max() == 8 and set(offsets.tolist()) == {12, 13}   # 1000 / 81 = 12.3: all 81 used
+    corners = np.unique((draws['cutout_top'] * 25 + draws['cutout_left']).numpy(), return_counts=True)[1]
+    assert len(corners) == 200 and set(corners.tolist()) == {5}           # 625 squares: 200 picked, 5 images each
+    assert sorted(draws['order'].tolist()) == list(range(1000))
+    again = T.draw_augmentation(1000, {**T.HYP, 'cutout': 8}, torch.Generator().manual_seed(1))
+    assert not torch.equal(again['top'], draws['top']) and not torch.equal(again['flip'], draws['flip'])
+
+
+def constant_images(n):
+    """Image i is the constant i, which survives cropping a reflect-padded image and flipping it."""
+    return F.pad(torch.arange(n, dtype=torch.float32).view(n, 1, 1, 1).expand(n, 3, 32, 32), (4,) * 4, mode='reflect')
 
 
 def test_augmented_epoch_keeps_labels_with_their_images():
-    torch.manual_seed(0)
     n = 1000
-    # image i is the constant i, which survives cropping a reflect-padded image and flipping it
-    padded = F.pad(torch.arange(n, dtype=torch.float32).view(n, 1, 1, 1).expand(n, 3, 32, 32), (4,) * 4, mode='reflect')
-    labels = torch.randint(0, 10, (n,))
-    images, epoch_labels, steps = T.augmented_epoch(padded, labels, {**T.HYP, 'batch_size': 64, 'cutout': 0})
+    padded, labels = constant_images(n), torch.randint(0, 10, (n,))
+    images, epoch_labels, steps = T.augmented_epoch(padded, labels, {**T.HYP, 'batch_size': 64, 'cutout': 0},
+                                                    torch.Generator().manual_seed(0))
     assert steps == n // 64 and len(images) == steps * 64         # the last partial batch is dropped
     index = images[:, 0, 0, 0].long()
     assert (images == index.view(-1, 1, 1, 1).float()).all()
     assert len(set(index.tolist())) == len(index)                 # each image at most once
     assert torch.equal(epoch_labels, labels[index])
     assert not torch.equal(index, torch.arange(len(index)))       # shuffled
+
+
+def test_augmentation_is_the_same_whatever_the_device_and_its_random_state():
+    """Ranks on unlike devices (another GPU model, another dtype) must train on the same images in
+    the same order: the draws come from the run's CPU generator only."""
+    padded = torch.rand(300, 3, 40, 40)
+    labels = torch.randint(0, 10, (300,))
+    hyp = {**T.HYP, 'batch_size': 64, 'cutout': 8}
+    torch.manual_seed(1)
+    a, a_labels, _ = T.augmented_epoch(padded, labels, hyp, torch.Generator().manual_seed(5))
+    torch.manual_seed(2)                                          # another global random state ...
+    b, b_labels, _ = T.augmented_epoch(padded.double(), labels, hyp, torch.Generator().manual_seed(5))  # ... and dtype
+    assert torch.equal(a.double(), b) and torch.equal(a_labels, b_labels)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -266,7 +322,7 @@ def test_one_ema_step_equals_the_formula():
                 t.add_(torch.randn_like(t))
     model(torch.randn(64, 3, 32, 32))                             # running statistics differ too
     before = {k: v.clone() for k, v in ema.state_dict().items()}
-    T.ema_update(ema, model, 0.9)
+    T.ema_update(T.ema_tensors(ema), T.ema_tensors(model), 0.9)
     for k, v in ema.state_dict().items():
         if v.is_floating_point():
             torch.testing.assert_close(v, 0.9 * before[k] + 0.1 * model.state_dict()[k], atol=1e-6, rtol=1e-6)
@@ -274,17 +330,93 @@ def test_one_ema_step_equals_the_formula():
             assert torch.equal(v, before[k])                      # the batch counter is not averaged
 
 
+def test_ema_updates_after_batches_0_5_10_of_every_epoch():
+    """Page's EMA step is made anew each epoch and fires on its batches 0, 5, 10, ...; with
+    momentum 0 the EMA is a copy of the model as it was after the last update's step."""
+    model, hyp = small_model({'batch_size': 32, 'epochs': 4, 'ema_momentum': 0.0})
+    opt = T.optimiser(model, hyp)
+    ema = T.copy.deepcopy(model)
+    after_step, fired = [], []
+    real_step, real_update = opt.step, T.ema_update
+    opt.step = lambda lr: (real_step(lr), after_step.append(model.head.weight.detach().clone()))
+    images, labels = torch.randn(7 * 32, 3, 32, 32), torch.randint(0, 10, (7 * 32,))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(T, 'ema_update', lambda *args: (fired.append(len(after_step)), real_update(*args)))
+        for epoch in range(2):
+            T.train_epoch(model, opt, (T.ema_tensors(ema), T.ema_tensors(model)), images, labels, 7, 7 * epoch, hyp)
+    assert fired == [1, 6, 8, 13]                                 # batches 0 and 5 of each 7-step epoch
+    assert torch.equal(ema.head.weight, after_step[12]) and not torch.equal(ema.head.weight, after_step[13])
+
+
 def test_optimiser_groups_lr_and_weight_decay():
     model, hyp = small_model({'batch_size': 512})
-    opt = T.optimiser(model, hyp)
-    weights, biases = opt.param_groups
+    weights, biases = T.optimiser(model, hyp).groups
     bn_biases = {id(m.bias) for m in model.modules() if isinstance(m, T.GhostBatchNorm)}
     assert {id(p) for p in biases['params']} == bn_biases
     convs = {id(m.weight) for m in model.modules() if isinstance(m, (torch.nn.Conv2d, torch.nn.Linear))}
     assert {id(p) for p in weights['params']} == convs            # frozen BN scales are left out
     assert weights['lr_scale'] == pytest.approx(1 / 512) and weights['weight_decay'] == pytest.approx(0.256)
     assert biases['lr_scale'] == pytest.approx(64 / 512) and biases['weight_decay'] == pytest.approx(0.004)
-    assert all(g['nesterov'] and g['momentum'] == 0.9 for g in opt.param_groups)
+
+
+def test_optimiser_is_pages_nesterov_update_over_the_real_schedule():
+    """Page's nesterov_update, written out in numpy float64: dw = -lr_t (g + wd w), v = m v + dw,
+    w = w + dw + m v, with lr_t the schedule at step t / 97 of 10 epochs, times 1/512 for weights
+    and 64/512 for batch-norm biases; 300 steps cover the warm-up, the peak and the decay."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, bias=False), torch.nn.BatchNorm2d(8)).double()
+    model[1].weight.requires_grad_(False)
+    with torch.no_grad():
+        model[1].bias.normal_()
+    opt = T.optimiser(model, {**T.HYP, 'batch_size': 512})
+    hand = {'0.weight': [model[0].weight.detach().numpy().copy(), 1 / 512, 5e-4 * 512],
+            '1.bias': [model[1].bias.detach().numpy().copy(), 64 / 512, 5e-4 * 512 / 64]}
+    velocity = {name: 0.0 for name in hand}
+    start = {name: w.copy() for name, (w, *_) in hand.items()}
+    rng = np.random.default_rng(0)
+    for t in range(1, 301):
+        schedule = np.interp(t / 97, [0, 2, 8], [0, 1.0, 0.1])    # 0 -> 1 at epoch 2 -> 0.1 at epoch 8
+        for name, p in model.named_parameters():
+            if p.requires_grad:
+                p.grad = torch.from_numpy(rng.normal(0, 100, p.shape))
+                w, lr_scale, wd = hand[name]
+                dw = -schedule * lr_scale * (p.grad.numpy() + wd * w)
+                velocity[name] = 0.9 * velocity[name] + dw
+                hand[name][0] = w + dw + 0.9 * velocity[name]
+        opt.step(T.piecewise_linear(t / 97, *T.lr_knots({**T.HYP, 'epochs': 10})))
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            np.testing.assert_allclose(p.detach().numpy(), hand[name][0], rtol=1e-10, atol=1e-12)
+            assert np.abs(hand[name][0] - start[name]).min() > 1e-3    # every value moved
+
+
+def test_bf16_weight_decay_and_ema_move_as_the_fp32_formula_says():
+    """In pure bf16 (8-bit mantissa) a weight-decay step of 5e-4 x w is below half a unit in the last
+    place and rounds away, and so does the EMA's 5 % step: both must go through fp32."""
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(3, 16, 3, bias=False).to(torch.bfloat16)
+    start = conv.weight.detach().double().clone()
+    opt = T.Nesterov([dict(params=[conv.weight], lr_scale=1.0, weight_decay=5e-4)], momentum=0.9)
+    w, v = start.clone(), 0.0
+    for _ in range(40):                                           # lr 1, no gradient: weight decay only
+        conv.weight.grad = torch.zeros_like(conv.weight)
+        opt.step(1.0)
+        dw = -5e-4 * w
+        v = 0.9 * v + dw
+        w = w + dw + 0.9 * v
+    assert conv.weight.dtype == torch.bfloat16
+    torch.testing.assert_close(opt.groups[0]['masters'][0].double(), w, rtol=1e-6, atol=0)
+    torch.testing.assert_close(conv.weight.double(), w.to(torch.bfloat16).double(), rtol=2 ** -8, atol=0)
+    assert (conv.weight.double() != start).float().mean() > 0.9   # the weights did shrink
+    bf16_step = (start.to(torch.bfloat16) * (1 - 5e-4)).double()  # what one step in pure bf16 gives
+    assert (bf16_step == start).float().mean() > 0.9              # ... nothing, for most weights
+
+    model = torch.full((1000,), 1.0078125, dtype=torch.bfloat16)  # one bf16 unit above 1
+    average = torch.ones(1000)
+    T.ema_update([average], [model], 0.99 ** 5)
+    expected = 1 + (1 - 0.99 ** 5) * 0.0078125                    # 1.00038: a fraction of a bf16 unit
+    assert average.dtype == torch.float32
+    torch.testing.assert_close(average.double(), torch.full((1000,), expected, dtype=torch.float64), rtol=1e-7, atol=0)
 
 
 def test_t_quantile_matches_published_tables():
@@ -484,6 +616,20 @@ def test_a_dtype_the_device_cannot_run_is_refused(monkeypatch):
         T.pick_dtype('fp16', torch.device('cpu'))
 
 
+def test_bf16_is_asked_of_the_chosen_gpu_and_refused_where_only_emulated(monkeypatch):
+    asked, probed = [], []
+    capability = {1: (7, 5), 2: (8, 0)}                           # cuda:1 a T4, cuda:2 an A100
+    monkeypatch.setattr(torch.cuda, 'get_device_capability', lambda d: asked.append(d) or capability[d.index])
+    monkeypatch.setattr(torch.cuda, 'get_device_name', lambda d: 'Tesla T4')
+    monkeypatch.setattr(torch.version, 'hip', None)
+    monkeypatch.setattr(T, 'probe_run', lambda device, dtype: probed.append((device, dtype)))
+    with pytest.raises(T.UserError, match='Tesla T4 has no native bf16'):
+        T.pick_dtype('bf16', torch.device('cuda', 1))
+    assert T.pick_dtype('bf16', torch.device('cuda', 2)) == torch.bfloat16
+    assert asked == [torch.device('cuda', 1), torch.device('cuda', 2)]
+    assert probed == [(torch.device('cuda', 2), torch.bfloat16)]  # the probe runs what a run runs
+
+
 # ---------------------------------------------------------------------------------------------
 # End to end
 # ---------------------------------------------------------------------------------------------
@@ -542,15 +688,14 @@ def test_a_diverged_run_is_reported_as_failed(dataset, tmp_path, monkeypatch, ca
 
 
 def test_ctrl_c_prints_the_summary_of_finished_runs(dataset, monkeypatch, capsys):
-    real_run, calls = T.train_run, []
+    real_run = T.train_run
 
-    def interrupted_second_run(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 3:                                       # warm-up, run 1, then Ctrl-C in run 2
+    def interrupted_second_run(data, hyp, device, dtype, seed, on_epoch):
+        if seed == 11:                                            # run 2 of seeds 10, 11, 12: Ctrl-C
             raise KeyboardInterrupt
-        return real_run(*args, **kwargs)
+        return real_run(data, hyp, device, dtype, seed, on_epoch)
     monkeypatch.setattr(T, 'train_run', interrupted_second_run)
-    assert T.main(['--tiny', '--data-dir', str(dataset), '--epochs', '1', '--runs', '3']) == 130
+    assert T.main(['--tiny', '--data-dir', str(dataset), '--epochs', '1', '--runs', '3', '--seed', '10']) == 130
     out = capsys.readouterr().out
     assert 'interrupted: summary of the 1 finished run(s)' in out and 'runs: 1 finished, 0 failed' in out
 
@@ -635,14 +780,12 @@ if world > 1:
 data = T.load_cifar10(T.ensure_cifar10({data!r}))
 cpu, out = torch.device('cpu'), {out!r}
 if world > 1:  # 30 steps of --tiny: the ranks must still agree bit for bit
-    torch.manual_seed(0)
-    rows, ema = T.train_run(data, {{**T.HYP, **T.TINY, 'epochs': 2}}, cpu, torch.float32, lambda row: None)
+    rows, ema = T.train_run(data, {{**T.HYP, **T.TINY, 'epochs': 2}}, cpu, torch.float32, 0, lambda row: None)
     torch.save(ema.state_dict(), f'{{out}}/long_{{rank}}.pt')
 # 2 steps of 64 images at lr 1; after each, batch-norm averaging and an "EMA" that copies the model
 short = {{k: v[:128] if k.startswith('train') else v for k, v in data.items()}}
 hyp = {{**T.HYP, **T.TINY, 'epochs': 1, 'lr_peak': 1.0, 'lr_floor': 1.0, 'ema_every': 1, 'ema_momentum': 0.0}}
-torch.manual_seed(0)
-rows, ema = T.train_run(short, hyp, cpu, torch.float32, lambda row: None)
+rows, ema = T.train_run(short, hyp, cpu, torch.float32, 0, lambda row: None)
 torch.save(ema.state_dict(), f'{{out}}/short_{{world}}_{{rank}}.pt')
 (open(f'{{out}}/rows_{{world}}_{{rank}}.json', 'w')).write(json.dumps(rows))
 """
@@ -689,16 +832,13 @@ def test_a_batch_that_does_not_split_over_the_ranks_stops_the_job(dataset):
 
 def test_ranks_take_interleaved_shares_of_one_shuffled_order():
     n, batch = 640, 64
-    padded = F.pad(torch.arange(n, dtype=torch.float32).view(n, 1, 1, 1).expand(n, 3, 32, 32), (4,) * 4, mode='reflect')
-    labels = torch.arange(n) % 10
+    padded, labels = constant_images(n), torch.arange(n) % 10
     hyp = {**T.HYP, 'batch_size': batch, 'cutout': 0}
     shares = []
     for rank in range(4):
-        torch.manual_seed(7)
-        images, _, steps = T.augmented_epoch(padded, labels, hyp, rank, 4)
+        images, _, steps = T.augmented_epoch(padded, labels, hyp, torch.Generator().manual_seed(7), rank, 4)
         shares.append(images[:, 0, 0, 0].long().view(steps, batch // 4))
-    torch.manual_seed(7)
-    whole, _, _ = T.augmented_epoch(padded, labels, hyp)
+    whole, _, _ = T.augmented_epoch(padded, labels, hyp, torch.Generator().manual_seed(7))
     whole = whole[:, 0, 0, 0].long().view(steps, batch)
     for rank in range(4):                                        # rank r: images r, r+4, ... of each batch
         assert torch.equal(shares[rank], whole[:, rank::4])

@@ -70,10 +70,12 @@ HYP = dict(
     celu_alpha=0.3,          # Page: CELU(0.3), a smooth ReLU
     logit_scale=1 / 16,      # Page: logits x 1/16, a fixed temperature
     channels=(64, 128, 256, 512),  # Page's ResNet9 widths: prep, layer1, layer2, layer3
-    whitening_images=10000,  # Page: patch covariance from 10,000 training images ...
+    whitening_images=10000,  # Page: patch second moment from 10,000 training images ...
     whitening_eps=1e-2,      # ... each filter divided by sqrt(eigenvalue + eps)
     pad=4,                   # Page: reflect-pad by 4, then take a random 32x32 crop
     cutout=0,                # side of a zeroed square; 0 in the 10-epoch recipe, Page used 8 later
+    augment_options=200,     # Page's loader: each epoch at most 200 crop (or cutout) positions, each
+                             # for an equal share of the images, and exactly half the images flipped
     eval_batch_size=1000,    # any size gives the same results; 1000 divides the 10,000 test images
 )
 # --tiny: the same code path on a subset with a narrow network, so that a 2-core CPU finishes in
@@ -257,48 +259,71 @@ def normalise(images, device, dtype):
     return ((x - mean) / std).to(dtype)
 
 
-def random_crop(padded, size):
-    """A random size x size window of each image: two gathers, no loop over images."""
+def balanced_choice(n, options, max_options, generator):
+    """One of `options` choices for each of n images, drawn as Page's loader draws them.
+
+    At most max_options of the options are picked at random, each is given to an equal share of
+    the images (to within one image), and the images are assigned at random: exactly half of
+    them are flipped, and every crop offset is used equally often. All draws come from the
+    run's CPU generator, so every rank and every device type gets the same ones.
+    """
+    picked = torch.randperm(options, generator=generator)[:max_options]
+    return picked[torch.randperm(n, generator=generator) % len(picked)]
+
+
+def draw_augmentation(n, hyp, generator):
+    """Every random choice of one epoch, as index tensors on the CPU: crop offsets, flips,
+    cutout squares and the order of the images."""
+    side = 2 * hyp['pad'] + 1                                  # offsets 0 .. 2 x pad
+    offset = balanced_choice(n, side * side, hyp['augment_options'], generator)
+    draws = dict(top=offset // side, left=offset % side,
+                 flip=balanced_choice(n, 2, hyp['augment_options'], generator) == 1)
+    if hyp['cutout']:
+        side = 32 - hyp['cutout'] + 1
+        corner = balanced_choice(n, side * side, hyp['augment_options'], generator)
+        draws.update(cutout_top=corner // side, cutout_left=corner % side)
+    draws['order'] = torch.randperm(n, generator=generator)
+    return draws
+
+
+def crop(padded, top, left, size):
+    """Image i's size x size window at (top[i], left[i]): two gathers, no loop over images."""
     n, c, h, w = padded.shape
-    top = torch.randint(0, h - size + 1, (n, 1), device=padded.device)
-    left = torch.randint(0, w - size + 1, (n, 1), device=padded.device)
     offsets = torch.arange(size, device=padded.device)
-    rows = (top + offsets)[:, None, :, None].expand(n, c, size, w)
-    columns = (left + offsets)[:, None, None, :].expand(n, c, size, size)
+    rows = (top[:, None] + offsets)[:, None, :, None].expand(n, c, size, w)
+    columns = (left[:, None] + offsets)[:, None, None, :].expand(n, c, size, size)
     return padded.gather(2, rows).gather(3, columns)
 
 
-def random_flip(images):
-    """Mirror each image left-right with probability 1/2."""
-    flip = torch.rand(len(images), 1, 1, 1, device=images.device) < 0.5
-    return torch.where(flip, images.flip(3), images)
+def flip(images, which):
+    """Mirror left-right the images where `which` is true."""
+    return torch.where(which.view(-1, 1, 1, 1), images.flip(3), images)
 
 
-def cutout(images, size):
-    """Zero (the mean colour, after normalisation) a random size x size square inside each image."""
-    n, _, h, w = images.shape
-    top = torch.randint(0, h - size + 1, (n, 1, 1), device=images.device)
-    left = torch.randint(0, w - size + 1, (n, 1, 1), device=images.device)
+def cutout(images, top, left, size):
+    """Zero (the mean colour, after normalisation) image i's size x size square at (top[i], left[i])."""
+    _, _, h, w = images.shape
     ys = torch.arange(h, device=images.device).view(1, h, 1)
     xs = torch.arange(w, device=images.device).view(1, 1, w)
+    top, left = top.view(-1, 1, 1), left.view(-1, 1, 1)
     inside = (ys >= top) & (ys < top + size) & (xs >= left) & (xs < left + size)
     return images.masked_fill(inside[:, None], 0)
 
 
-def augmented_epoch(padded, labels, hyp, rank=0, world=1):
+def augmented_epoch(padded, labels, hyp, generator, rank=0, world=1):
     """A fresh crop, flip (and cutout) of every image, shuffled and cut into whole batches.
 
-    With several ranks, every rank draws the same augmentation and order (same seed) and keeps
-    images rank, rank+world, ... of each batch: the ghost batch-norm splits (images k, k+s, ...)
-    then hold the same images as in one process at the same global batch size.
+    With several ranks, every rank draws the same augmentation and order (same generator seed)
+    and keeps images rank, rank+world, ... of each batch: the ghost batch-norm splits (images
+    k, k+s, ...) then hold the same images as in one process at the same global batch size.
     """
-    images = random_flip(random_crop(padded, 32))
+    draws = {k: v.to(padded.device) for k, v in draw_augmentation(len(padded), hyp, generator).items()}
+    images = flip(crop(padded, draws['top'], draws['left'], 32), draws['flip'])
     if hyp['cutout']:
-        images = cutout(images, hyp['cutout'])
+        images = cutout(images, draws['cutout_top'], draws['cutout_left'], hyp['cutout'])
     b = hyp['batch_size']
     steps = len(images) // b  # drop the last partial batch
-    order = torch.randperm(len(images), device=images.device)[:steps * b]
-    order = order.view(steps, b // world, world)[:, :, rank].reshape(-1)  # this rank's share
+    order = draws['order'][:steps * b].view(steps, b // world, world)[:, :, rank].reshape(-1)  # this rank's share
     return images[order], labels[order], steps
 
 
@@ -308,17 +333,22 @@ def augmented_epoch(padded, labels, hyp, rank=0, world=1):
 def whitening_filters(images, eps):
     """Fixed 3x3 conv filters that whiten the 27-dim patches (3 channels x 3 x 3) of the images.
 
-    Page's first layer: the eigenvectors of the patch covariance, each divided by
-    sqrt(eigenvalue + eps), in order of decreasing eigenvalue. Patches convolved with these filters
-    have (nearly) identity covariance, which the network would otherwise spend epochs learning.
+    Page's first layer: the eigenvectors of the patches' second moment X^T X / (N - 1) (not
+    centred, as in Page's code), each divided by sqrt(eigenvalue + eps), in order of decreasing
+    eigenvalue. Patches convolved with these filters have (nearly) identity second moment, which
+    the network would otherwise spend epochs learning. The 27 x 27 moment is summed on the device
+    in fp32 from shifted views (no unfold, which some MPS builds lack); its eigenvectors are found
+    in float64 on the CPU (MPS has no float64).
     """
-    patches = F.unfold(images.float(), kernel_size=3)  # N x 27 x windows, in (channel, row, col) order
-    patches -= patches.mean(dim=(0, 2), keepdim=True)
-    covariance = (patches @ patches.transpose(1, 2)).sum(0) / (patches.shape[0] * patches.shape[2] - 1)
-    eigenvalues, eigenvectors = torch.linalg.eigh(covariance.double().cpu())  # ascending order
+    x = images.float()
+    n, c, h, w = x.shape
+    shifted = [x[:, :, i:i + h - 2, j:j + w - 2] for i in range(3) for j in range(3)]
+    patches = torch.stack(shifted, dim=2).reshape(n, c * 9, -1)  # N x 27 x windows, (channel, row, col)
+    moment = (patches @ patches.transpose(1, 2)).sum(0) / (n * patches.shape[2] - 1)
+    eigenvalues, eigenvectors = torch.linalg.eigh(moment.cpu().double())  # ascending order
     eigenvalues, eigenvectors = eigenvalues.flip(0), eigenvectors.T.flip(0)
     filters = eigenvectors / torch.sqrt(eigenvalues + eps)[:, None]
-    return filters.reshape(-1, 3, 3, 3).to(device=images.device, dtype=torch.float32)
+    return filters.reshape(-1, 3, 3, 3).float().to(images.device)
 
 
 class GhostBatchNorm(nn.BatchNorm2d):
@@ -416,8 +446,50 @@ def lr_knots(hyp):
     return [0, peak, floor], [0, hyp['lr_peak'], hyp['lr_floor']]
 
 
+class Nesterov:
+    """Nesterov SGD with the update of Page's code, for groups with their own lr and weight decay.
+
+    Each step's gradient (plus weight decay) is multiplied by that step's learning rate before it
+    enters the momentum buffer v:  dw = -lr_t (g + wd w);  v <- m v + dw;  w <- w + dw + m v.
+    torch.optim.SGD instead applies the current rate to the whole buffer, which is the same only
+    while the rate is constant; on this schedule its steps are 80 % larger at step 20.
+    bf16 weights (8-bit mantissa) are updated through fp32 master copies: their weight-decay steps
+    are below half a unit in the last place and would round to nothing. fp16 weights are updated
+    in place, as Page did. Each group takes a few fused (foreach) launches per step.
+    """
+
+    def __init__(self, groups, momentum):
+        self.momentum, self.groups = momentum, []
+        for group in groups:
+            params = list(group['params'])
+            masters = [p.detach().float() if p.dtype == torch.bfloat16 else p.detach() for p in params]
+            self.groups.append(dict(group, params=params, masters=masters,
+                                    velocities=[torch.zeros_like(w) for w in masters],
+                                    copies=[(p, w) for p, w in zip(params, masters) if p.dtype != w.dtype]))
+
+    @torch.no_grad()
+    def step(self, lr):
+        """One update at the schedule's value lr (times each group's lr_scale)."""
+        m = self.momentum
+        for g in self.groups:
+            grads = [p.grad.to(w.dtype) for p, w in zip(g['params'], g['masters'])]
+            dw = torch._foreach_add(grads, g['masters'], alpha=g['weight_decay'])
+            torch._foreach_mul_(dw, -lr * g['lr_scale'])
+            torch._foreach_mul_(g['velocities'], m)
+            torch._foreach_add_(g['velocities'], dw)
+            torch._foreach_add_(dw, g['velocities'], alpha=m)
+            torch._foreach_add_(g['masters'], dw)
+            if g['copies']:
+                torch._foreach_copy_(*map(list, zip(*g['copies'])))
+
+    def zero_grad(self):
+        for g in self.groups:
+            for p in g['params']:
+                p.grad = None
+
+
 def optimiser(model, hyp):
-    """Nesterov SGD in two groups: batch-norm biases take lr x 64 and weight decay / 64 (Page).
+    """Page's two groups: batch-norm biases take lr x 64 and weight decay / 64.
 
     Each group's lr_scale turns the schedule's value into its learning rate per summed example.
     """
@@ -425,9 +497,8 @@ def optimiser(model, hyp):
     biases = [p for name, p in trainable if name.endswith('bias')]
     weights = [p for name, p in trainable if not name.endswith('bias')]
     b, wd, k = hyp['batch_size'], hyp['weight_decay'], hyp['bias_lr_scale']
-    return torch.optim.SGD([dict(params=weights, lr_scale=1 / b, weight_decay=wd * b),
-                            dict(params=biases, lr_scale=k / b, weight_decay=wd * b / k)],
-                           lr=0.0, momentum=hyp['momentum'], nesterov=True)
+    return Nesterov([dict(params=weights, lr_scale=1 / b, weight_decay=wd * b),
+                     dict(params=biases, lr_scale=k / b, weight_decay=wd * b / k)], hyp['momentum'])
 
 
 def ema_tensors(model):
@@ -450,22 +521,26 @@ def average_over_ranks(tensors):
 
 
 @torch.no_grad()
-def ema_update(ema, model, momentum):
-    """ema <- momentum x ema + (1 - momentum) x model, tensor by tensor, in a few fused launches."""
-    torch._foreach_lerp_(ema_tensors(ema), ema_tensors(model), 1 - momentum)
+def ema_update(averages, tensors, momentum):
+    """averages <- momentum x averages + (1 - momentum) x tensors, in fp32 whatever the tensors'
+    dtype: a 5 % step is below half a unit in the last place of fp16 or bf16 for most weights."""
+    torch._foreach_lerp_(averages, [t.float() for t in tensors], 1 - momentum)
 
 
-def train_epoch(model, ema, opt, images, labels, steps, first_step, hyp):
+def train_epoch(model, opt, averaged, images, labels, steps, first_step, hyp):
     """One pass over the shuffled batches. Loss and correct counts stay on the device.
 
+    averaged = (EMA tensors, the model's tensors): the EMA is updated after batches 0, 5, 10, ...
+    of every epoch, the first included (Page's phase: 20 updates in an epoch of 97 steps).
     Under DistributedDataParallel, model is the wrapper: it averages the gradients over the ranks,
     so each rank's summed loss is scaled by the number of ranks to give the gradient of the loss
     summed over the global batch. Batch-norm statistics, which each rank gathers from its own
     images, are averaged over the ranks before each EMA update; the EMA then stays identical on
     every rank, and equal to one process's, since both averages are linear.
     """
-    net = getattr(model, 'module', model)
     _, world = rank_and_world()
+    bn_statistics = [b for m in getattr(model, 'module', model).modules() if isinstance(m, nn.BatchNorm2d)
+                     for b in (m.running_mean, m.running_var)]
     knots, values = lr_knots(hyp)
     batch = len(images) // steps
     loss_sum = torch.zeros((), device=images.device)
@@ -473,19 +548,16 @@ def train_epoch(model, ema, opt, images, labels, steps, first_step, hyp):
     for i in range(steps):
         step = first_step + i + 1  # counted from 1: the first step already has a non-zero lr
         lr = piecewise_linear(step / steps, knots, values)
-        for group in opt.param_groups:
-            group['lr'] = lr * group['lr_scale']
         x, y = images[i * batch:(i + 1) * batch], labels[i * batch:(i + 1) * batch]
         logits = model(x)
         loss = F.cross_entropy(logits.float(), y, label_smoothing=hyp['label_smoothing'], reduction='sum')
-        opt.zero_grad(set_to_none=True)
+        opt.zero_grad()
         (loss * world).backward()
-        opt.step()
-        if step % hyp['ema_every'] == 0:
+        opt.step(lr)
+        if i % hyp['ema_every'] == 0:
             if world > 1:
-                average_over_ranks([b for m in net.modules() if isinstance(m, nn.BatchNorm2d)
-                                    for b in (m.running_mean, m.running_var)])
-            ema_update(ema, net, hyp['ema_momentum'] ** hyp['ema_every'])
+                average_over_ranks(bn_statistics)
+            ema_update(*averaged, hyp['ema_momentum'] ** hyp['ema_every'])
         loss_sum += loss.detach()
         correct += (logits.argmax(1) == y).sum()
     return loss_sum, correct, lr
@@ -536,34 +608,42 @@ def data_parallel(net, device):
         net, device_ids=[device] if device.type == 'cuda' else None, **{no_forward_sync: False})
 
 
-def train_run(data, hyp, device, dtype, on_epoch):
+def train_run(data, hyp, device, dtype, seed, on_epoch):
     """Train one model from the uint8 arrays and return (per-epoch rows, the EMA model).
 
+    seed fixes the initial weights and every augmentation draw; both are drawn on the CPU, so a
+    seed gives the same run on any device, and every rank of a process group the same order.
     The clock covers everything a lone run does: upload, normalisation, padding, whitening,
     building the model, and the training epochs. It stops for validation and is read only after
     a device sync, at epoch boundaries, never once per step. Under torchrun each rank trains on
     its share of every batch and evaluates its share of the test set; the counts are summed.
     """
     rank, world = rank_and_world()
+    torch.manual_seed(seed)
+    generator = torch.Generator().manual_seed(seed)
     synchronize(device)
     start = time.perf_counter()
     train = normalise(data['train_images'], device, dtype)
     train_labels = torch.from_numpy(data['train_labels']).to(device)
-    test = normalise(data['test_images'][rank::world], device, dtype)  # this rank's share
+    # the EMA model is kept and evaluated in fp32, so its test images are fp32 too
+    test = normalise(data['test_images'][rank::world], device, torch.float32)  # this rank's share
     test_labels = torch.from_numpy(data['test_labels'][rank::world]).to(device)
     padded = F.pad(train, (hyp['pad'],) * 4, mode='reflect')
     whitening = whitening_filters(train[:hyp['whitening_images']], hyp['whitening_eps'])
+    if world > 1:
+        dist.broadcast(whitening, 0)  # rank 0's filters, not each rank's recomputation bit for bit
     net = to_training_precision(ResNet9(whitening, hyp).to(device), dtype)
     model = data_parallel(net, device) if world > 1 else net
-    ema = copy.deepcopy(net).eval().requires_grad_(False)  # the model that is evaluated
+    ema = copy.deepcopy(net).float().eval().requires_grad_(False)  # the model that is evaluated
+    averaged = ema_tensors(ema), ema_tensors(net)
     opt = optimiser(net, hyp)
     synchronize(device)
     total_time = time.perf_counter() - start
     rows, step = [], 0
     for epoch in range(1, hyp['epochs'] + 1):
         start = time.perf_counter()
-        images, labels, steps = augmented_epoch(padded, train_labels, hyp, rank, world)
-        train_loss, train_correct, lr = train_epoch(model, ema, opt, images, labels, steps, step, hyp)
+        images, labels, steps = augmented_epoch(padded, train_labels, hyp, generator, rank, world)
+        train_loss, train_correct, lr = train_epoch(model, opt, averaged, images, labels, steps, step, hyp)
         step += steps
         synchronize(device)
         train_time = time.perf_counter() - start
@@ -594,7 +674,21 @@ def warm_up(data, hyp, device, dtype):
     b, e = hyp['batch_size'], hyp['eval_batch_size']
     subset = dict(train_images=data['train_images'][:2 * b], train_labels=data['train_labels'][:2 * b],
                   test_images=data['test_images'][:e], test_labels=data['test_labels'][:e])
-    train_run(subset, {**hyp, 'epochs': 1}, device, dtype, on_epoch=lambda row: None)
+    train_run(subset, {**hyp, 'epochs': 1}, device, dtype, seed=0, on_epoch=lambda row: None)
+
+
+def probe_run(device, dtype):
+    """Two steps of a narrow network on random images: every operation of a run (whitening,
+    augmentation, forward, backward, optimiser, EMA, evaluation), in seconds, before any data is
+    downloaded. A device or dtype that cannot run one of them raises here."""
+    rng = np.random.default_rng(0)
+    n = 128
+    data = dict(train_images=rng.integers(0, 256, (n, 3, 32, 32), dtype=np.uint8),
+                train_labels=rng.integers(0, NUM_CLASSES, n), test_images=rng.integers(0, 256, (n, 3, 32, 32), dtype=np.uint8),
+                test_labels=rng.integers(0, NUM_CLASSES, n))
+    hyp = {**HYP, 'channels': (8, 8, 8, 8), 'epochs': 1, 'batch_size': n // 2, 'eval_batch_size': n // 2,
+           'whitening_images': n, 'cutout': 8}
+    train_run(data, hyp, device, dtype, seed=0, on_epoch=lambda row: None)
 
 
 # =============================================================================================
@@ -779,20 +873,26 @@ def pick_device(name, local_rank=None):
     return device
 
 
+def native_bf16(device):
+    """Whether this CUDA device computes in bf16 natively: Ampere (8.0) or later, or any ROCm GPU.
+    torch.cuda.is_bf16_supported() asks about the current device, not this one, and counts
+    emulation (a T4) as support."""
+    return bool(torch.version.hip) or torch.cuda.get_device_capability(device)[0] >= 8
+
+
 def pick_dtype(name, device):
-    """The training dtype; it must run the network's forward and backward on this device."""
+    """The training dtype; a short probe run must succeed with it on this device."""
     if name == 'auto':
         name = 'fp16' if device.type == 'cuda' else 'fp32'
     dtype = dict(fp16=torch.float16, bf16=torch.bfloat16, fp32=torch.float32)[name]
-    if dtype == torch.bfloat16 and device.type == 'cuda' and not torch.cuda.is_bf16_supported():
-        raise UserError(f'--dtype bf16: {torch.cuda.get_device_name(device)} has no bf16 support; use fp16')
-    try:  # a two-split batch through a small copy of the network
-        hyp = {**HYP, 'channels': (8, 8, 8, 8)}
-        model = to_training_precision(ResNet9(torch.zeros(27, 3, 3, 3), hyp).to(device), dtype)
-        model(torch.zeros(2 * hyp['bn_split_size'], 3, 32, 32, device=device, dtype=dtype)).float().sum().backward()
-    except RuntimeError as e:
+    if dtype == torch.bfloat16 and device.type == 'cuda' and not native_bf16(device):
+        raise UserError(f'--dtype bf16: {torch.cuda.get_device_name(device)} has no native bf16 (torch would '
+                        'emulate it, slowly; it needs compute capability 8.0 or later); use fp16')
+    try:
+        probe_run(device, dtype)
+    except (RuntimeError, TypeError, NotImplementedError) as e:
         raise UserError(f'--dtype {name} does not run on {device.type} ({str(e).splitlines()[0]}); '
-                        'choose another --dtype') from None
+                        'choose another --dtype or --device') from None
     return dtype
 
 
@@ -874,11 +974,13 @@ def main(argv=None):
     runs, ema = [], None
     try:
         warm_up(data, hyp, device, dtype)
+        if device.type == 'cuda':
+            torch.cuda.reset_peak_memory_stats(device)  # the runs' peak, not the probe's or warm-up's
         for run in range(args.runs):
-            torch.manual_seed(args.seed + run)  # the same on every rank: one shared order
             log(f'\nrun {run + 1}/{args.runs} (seed {args.seed + run})')
             log(table_line(COLUMNS))
-            rows, ema = train_run(data, hyp, device, dtype, on_epoch=lambda row: log(table_row(row), flush=True))
+            rows, ema = train_run(data, hyp, device, dtype, args.seed + run,
+                                  on_epoch=lambda row: log(table_row(row), flush=True))
             failed = len(rows) < hyp['epochs'] or not math.isfinite(rows[-1]['valid_loss'])
             if failed:
                 log(f'run {run + 1} FAILED: the loss became NaN in epoch {len(rows)}')
