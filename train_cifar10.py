@@ -40,11 +40,14 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-import numpy as np
-import torch
-import torch.distributed as dist
-import torch.nn as nn
-import torch.nn.functional as F
+try:  # torch takes seconds to import: Ctrl-C meanwhile ends quietly, with the shell's status for it
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+    import torch.nn.functional as F
+except KeyboardInterrupt:
+    raise SystemExit(130) from None
 
 # =============================================================================================
 # Hyperparameters
@@ -106,6 +109,7 @@ OFFICIAL_MD5 = {
     'test_batch': '40351d587109b95175f43aff81a1287e',
 }
 NUM_CLASSES = 10
+CLASSES = ('airplane', 'automobile', 'bird', 'cat', 'deer', 'dog', 'frog', 'horse', 'ship', 'truck')
 
 
 class UserError(Exception):
@@ -113,30 +117,48 @@ class UserError(Exception):
 
 
 def download(url, archive, md5):
-    """Download url to archive with a progress line; the file appears only once its md5 checks."""
-    fd, partial = tempfile.mkstemp(dir=archive.parent, prefix=f'.{archive.name}.', suffix='.part')
+    """Download url to archive with a progress line; the archive appears only once its md5 checks.
+
+    The bytes arrive in archive.part. If a download stops half-way (a dropped connection, Ctrl-C),
+    that file is kept and the next call asks the server for the rest (an HTTP Range request); a
+    server that ignores the request sends the whole file again.
+    """
+    partial = archive.with_name(archive.name + '.part')
+    done = partial.stat().st_size if partial.exists() else 0
+    request = urllib.request.Request(url, headers={'Range': f'bytes={done}-'} if done else {})
     try:
-        digest, done = hashlib.md5(), 0
-        with os.fdopen(fd, 'wb') as out, urllib.request.urlopen(url, timeout=60) as response:
-            total = int(response.headers.get('Content-Length') or 0)
-            while chunk := response.read(1 << 20):
-                out.write(chunk)
-                digest.update(chunk)
-                done += len(chunk)
-                share = f' ({100 * done / total:.0f}%)' if total else ''
-                print(f'\rdownloading {url}: {done / 1e6:.1f} MB{share}', end='', file=sys.stderr)
+        with urllib.request.urlopen(request, timeout=60) as response:
+            if done and not str(response.headers.get('Content-Range', '')).startswith(f'bytes {done}-'):
+                done = 0  # the server sent the whole file
+            total = done + int(response.headers.get('Content-Length') or 0)
+            with open(partial, 'ab' if done else 'wb') as out:
+                while chunk := response.read(1 << 20):
+                    out.write(chunk)
+                    done += len(chunk)
+                    share = f' ({100 * done / total:.0f}%)' if total else ''
+                    print(f'\rdownloading {url}: {done / 1e6:.1f} MB{share}', end='', file=sys.stderr)
+            if done < total:  # read() returns nothing, rather than raising, when a connection drops
+                raise http.client.IncompleteRead(b'', total - done)
         print(file=sys.stderr)
-        if digest.hexdigest() != md5:
-            raise UserError(f'the download of {url} has md5 {digest.hexdigest()}, not {md5}: it is '
-                            'damaged or not the CIFAR-10 archive; nothing was kept, try again')
-        os.replace(partial, archive)
+    except urllib.error.HTTPError as e:
+        if e.code != 416 or not partial.exists():  # 416: nothing beyond the partial file, it may be whole
+            raise UserError(f'cannot download {url} ({e.code} {e.reason}): check the address, or put '
+                            f'{BATCHES_DIR}/ into {archive.parent} yourself') from None
     except (OSError, http.client.HTTPException) as e:
-        reason = getattr(e, 'reason', e)
+        print(file=sys.stderr)
+        reason = getattr(e, 'reason', None) or repr(e)
+        if partial.exists() and partial.stat().st_size:
+            raise UserError(f'the download of {url} stopped at {partial.stat().st_size / 1e6:.1f} MB ({reason}); '
+                            f'run again to resume it from {partial}') from None
+        partial.unlink(missing_ok=True)
         raise UserError(f'cannot download {url} ({reason}): check the network, or put '
                         f'{BATCHES_DIR}/ into {archive.parent} yourself') from None
-    finally:
-        if os.path.exists(partial):
-            os.remove(partial)
+    got = file_md5(partial)
+    if got != md5:
+        partial.unlink()
+        raise UserError(f'the download of {url} has md5 {got}, not {md5}: it is damaged or not the '
+                        'CIFAR-10 archive; nothing was kept, try again')
+    os.replace(partial, archive)
 
 
 def extract(archive, data_dir):
@@ -154,23 +176,35 @@ def extract(archive, data_dir):
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def ensure_cifar10(data_dir, url=CIFAR10_URL, md5=CIFAR10_MD5):
-    """Return data_dir/cifar-10-batches-py, downloading and extracting it only if it is missing."""
-    data_dir = Path(data_dir)
+def ensure_cifar10(data_dir, url=None, md5=None):
+    """The folder of CIFAR-10's batch files: data_dir itself if it is one (torchvision users often
+    point at it), else data_dir/cifar-10-batches-py, downloaded from url (the official address by
+    default) and extracted if it is missing. A failed download leaves behind only a partial
+    archive to resume, never a folder it made for nothing."""
+    data_dir, url, md5 = Path(data_dir), url or CIFAR10_URL, md5 or CIFAR10_MD5
+    if data_dir.is_file():
+        raise UserError(f'--data-dir {data_dir} is a file, not a folder')
+    if (data_dir / TRAIN_FILES[0]).is_file():
+        return data_dir
     if (data_dir / BATCHES_DIR).is_dir():
         return data_dir / BATCHES_DIR
+    created = next((p for p in [*reversed(data_dir.absolute().parents), data_dir.absolute()] if not p.exists()), None)
     try:
         data_dir.mkdir(parents=True, exist_ok=True)
         tempfile.TemporaryFile(dir=data_dir).close()
     except OSError as e:
         raise UserError(f'cannot write to --data-dir {data_dir} ({e.strerror}): choose another one') from None
     archive = data_dir / url.rsplit('/', 1)[-1]
-    if not archive.exists():
-        download(url, archive, md5)
-    elif file_md5(archive) != md5:
-        raise UserError(f'{archive} exists but its md5 is not {md5}: delete it to download again, '
-                        f'or extract your copy so that {data_dir / BATCHES_DIR} exists')
-    extract(archive, data_dir)
+    try:
+        if not archive.exists():
+            download(url, archive, md5)
+        elif file_md5(archive) != md5:
+            raise UserError(f'{archive} exists but its md5 is not {md5}: delete it to download again, '
+                            f'or extract your copy so that {data_dir / BATCHES_DIR} exists')
+        extract(archive, data_dir)
+    finally:
+        if created and not any(data_dir.iterdir()):
+            shutil.rmtree(created)  # the folders this call made, still empty: the download failed
     return data_dir / BATCHES_DIR
 
 
@@ -527,8 +561,9 @@ def ema_update(averages, tensors, momentum):
     torch._foreach_lerp_(averages, [t.float() for t in tensors], 1 - momentum)
 
 
-def train_epoch(model, opt, averaged, images, labels, steps, first_step, hyp):
-    """One pass over the shuffled batches. Loss and correct counts stay on the device.
+def train_epoch(model, opt, averaged, images, labels, steps, first_step, hyp, on_step=lambda i, steps: None):
+    """One pass over the shuffled batches. Loss and correct counts stay on the device; on_step
+    (progress shown to the user) gets the number of steps taken and reads nothing from the device.
 
     averaged = (EMA tensors, the model's tensors): the EMA is updated after batches 0, 5, 10, ...
     of every epoch, the first included (Page's phase: 20 updates in an epoch of 97 steps).
@@ -560,6 +595,7 @@ def train_epoch(model, opt, averaged, images, labels, steps, first_step, hyp):
             ema_update(*averaged, hyp['ema_momentum'] ** hyp['ema_every'])
         loss_sum += loss.detach()
         correct += (logits.argmax(1) == y).sum()
+        on_step(i + 1, steps)
     return loss_sum, correct, lr
 
 
@@ -608,7 +644,7 @@ def data_parallel(net, device):
         net, device_ids=[device] if device.type == 'cuda' else None, **{no_forward_sync: False})
 
 
-def train_run(data, hyp, device, dtype, seed, on_epoch):
+def train_run(data, hyp, device, dtype, seed, on_epoch, on_step=lambda epoch, step, steps: None):
     """Train one model from the uint8 arrays and return (per-epoch rows, the EMA model).
 
     seed fixes the initial weights and every augmentation draw; both are drawn on the CPU, so a
@@ -643,7 +679,8 @@ def train_run(data, hyp, device, dtype, seed, on_epoch):
     for epoch in range(1, hyp['epochs'] + 1):
         start = time.perf_counter()
         images, labels, steps = augmented_epoch(padded, train_labels, hyp, generator, rank, world)
-        train_loss, train_correct, lr = train_epoch(model, opt, averaged, images, labels, steps, step, hyp)
+        train_loss, train_correct, lr = train_epoch(model, opt, averaged, images, labels, steps, step, hyp,
+                                                    on_step=lambda i, steps, epoch=epoch: on_step(epoch, i, steps))
         step += steps
         synchronize(device)
         train_time = time.perf_counter() - start
@@ -668,13 +705,13 @@ def train_run(data, hyp, device, dtype, seed, on_epoch):
     return rows, ema
 
 
-def warm_up(data, hyp, device, dtype):
+def warm_up(data, hyp, device, dtype, on_step):
     """A short throwaway run before the first clock starts, so that one-off costs (CUDA context,
     cuDNN's algorithm search for each shape, lazy allocations) are not charged to run 1."""
     b, e = hyp['batch_size'], hyp['eval_batch_size']
     subset = dict(train_images=data['train_images'][:2 * b], train_labels=data['train_labels'][:2 * b],
                   test_images=data['test_images'][:e], test_labels=data['test_labels'][:e])
-    train_run(subset, {**hyp, 'epochs': 1}, device, dtype, seed=0, on_epoch=lambda row: None)
+    train_run(subset, {**hyp, 'epochs': 1}, device, dtype, seed=0, on_epoch=lambda row: None, on_step=on_step)
 
 
 def probe_run(device, dtype):
@@ -726,8 +763,9 @@ def t_quantile(p, df):
     return (low + high) / 2
 
 
-def summarize(runs, gpu_price=None):
-    """Statistics over the finished runs; failed (diverged) runs are counted, not averaged."""
+def summarize(runs, gpu_price=None, count_94=True):
+    """Statistics over the finished runs; failed (diverged) runs are counted, not averaged.
+    count_94: count the runs that reached the recipe's 94 % (meaningless for --tiny)."""
     finished = [r for r in runs if not r['failed']]
     summary = dict(runs=len(runs), finished=len(finished), failed=len(runs) - len(finished))
     if not finished:
@@ -735,8 +773,10 @@ def summarize(runs, gpu_price=None):
     acc = np.array([r['accuracy'] for r in finished])
     times = np.array([r['time_s'] for r in finished])
     summary.update(acc_mean=acc.mean(), acc_min=acc.min(), acc_median=float(np.median(acc)),
-                   acc_max=acc.max(), reached_94=int((acc >= 0.94).sum()),
+                   acc_max=acc.max(),
                    time_mean_s=times.mean(), time_median_s=float(np.median(times)), time_max_s=times.max())
+    if count_94:
+        summary['reached_94'] = int((acc >= 0.94).sum())
     if len(acc) > 1:
         std = acc.std(ddof=1)
         half_width = t_quantile(0.975, len(acc) - 1) * std / math.sqrt(len(acc))
@@ -755,8 +795,9 @@ def summary_lines(s):
     if 'acc_ci95' in s:
         low, high = s['acc_ci95']
         lines.append(f'95% confidence interval of the mean: [{100 * low:.2f}, {100 * high:.2f}] %')
+    reached = f";  runs >= 94%: {s['reached_94']} of {s['finished']}" if 'reached_94' in s else ''
     lines.append(f"min / median / max: {100 * s['acc_min']:.2f} / {100 * s['acc_median']:.2f} / "
-                 f"{100 * s['acc_max']:.2f} %;  runs >= 94%: {s['reached_94']} of {s['finished']}")
+                 f"{100 * s['acc_max']:.2f} %{reached}")
     lines.append(f"time per run: mean {s['time_mean_s']:.2f} s, median {s['time_median_s']:.2f} s, "
                  f"max {s['time_max_s']:.2f} s")
     if 'cost_per_run_usd' in s:
@@ -803,6 +844,61 @@ def json_ready(x):
     return None if isinstance(x, float) and not math.isfinite(x) else x
 
 
+def write_results(args, context, runs, summary, ema, hyp):
+    """Write --json, --log-tsv and --save from the runs finished so far, each atomically. Called
+    after every run, so that a crash, a kill or a lost notebook kernel at run 37 keeps runs 1-36."""
+    if args.json:
+        report = dict(context, runs_finished=len(runs), runs_requested=args.runs, runs=runs, summary=summary)
+        text = json.dumps(json_ready(report), indent=1, allow_nan=False)
+        write_atomically(args.json, lambda f: f.write(text.encode()))
+    if args.log_tsv:
+        lines = ['epoch\thours\ttop1Accuracy'] + [
+            f"{row['epoch']}\t{row['total_time'] / 3600:.6f}\t{100 * row['valid_acc']:.2f}"
+            for run in runs for row in run['rows']]
+        write_atomically(args.log_tsv, lambda f: f.write(('\n'.join(lines) + '\n').encode()))
+    if args.save and ema is not None:
+        # everything needed to rebuild and evaluate the model without this run's data (README: "Use a saved model")
+        checkpoint = dict(state_dict={k: v.cpu() for k, v in ema.state_dict().items()}, hyperparameters=hyp,
+                          classes=CLASSES, mean=CIFAR10_MEAN, std=CIFAR10_STD,
+                          run=runs[-1]['run'], seed=runs[-1]['seed'], accuracy=runs[-1]['accuracy'])
+        write_atomically(args.save, lambda f: torch.save(checkpoint, f))
+
+
+class Progress:
+    """One rewritten line on stderr while an epoch trains: step k of n, images/s, time left.
+
+    Shown only when stderr is a terminal, so a piped log never holds it, and rewritten at most
+    once a second, so a GPU's sub-second epochs show nothing. It reads the host's clock, never
+    the device's: it adds no sync. clear() wipes it before the table's next row.
+    """
+
+    def __init__(self, enabled):
+        self.enabled, self.shown, self.start, self.last = enabled, False, 0.0, 0.0
+
+    def step(self, label, step, steps, images_per_step):
+        if not self.enabled:
+            return
+        now = time.perf_counter()
+        if step == 1:
+            self.start = now  # the rate is timed from the end of step 1, after one-off costs
+        elif now - self.last < 1 and step < steps:
+            return
+        self.last = now
+        line = f'{label}: step {step}/{steps}'
+        if step > 1:
+            rate = (step - 1) * images_per_step / (now - self.start)
+            left = (steps - step) * images_per_step / rate
+            left = f'{left:.0f} s' if left < 120 else f'{left / 60:.0f} min'
+            line += f', {rate:.0f} images/s, {left} left in the epoch' if step < steps else ', evaluating'
+        print(f'\r\033[K{line}', end='', file=sys.stderr, flush=True)
+        self.shown = True
+
+    def clear(self):
+        if self.shown:
+            print('\r\033[K', end='', file=sys.stderr, flush=True)
+            self.shown = False
+
+
 # =============================================================================================
 # Main
 # =============================================================================================
@@ -814,7 +910,11 @@ def parse_args(argv):
     p.add_argument('--runs', type=int, default=1, help='independent runs (seeds seed, seed+1, ...)')
     p.add_argument('--batch-size', type=int, default=HYP['batch_size'],
                    help=f"images per step, a multiple of {HYP['bn_split_size']} (the ghost batch-norm split)")
-    p.add_argument('--data-dir', default='./data', help=f'holds {BATCHES_DIR}/, downloaded if missing')
+    p.add_argument('--data-dir', default='./data',
+                   help=f'holds {BATCHES_DIR}/ (or is that folder), downloaded if missing')
+    p.add_argument('--data-url', default=os.environ.get('CIFAR10_URL') or CIFAR10_URL,
+                   help='where to download the archive from (a mirror; also the CIFAR10_URL environment '
+                        'variable); its md5 must be the official one')
     p.add_argument('--device', default='auto', help='auto (cuda, then mps, then cpu), cuda, cuda:N, mps, cpu')
     p.add_argument('--dtype', default='auto', choices=['auto', 'fp16', 'bf16', 'fp32'],
                    help='precision of everything but batch norm; auto: fp16 on cuda, fp32 elsewhere')
@@ -826,7 +926,8 @@ def parse_args(argv):
     p.add_argument('--json', metavar='PATH', help="write every run's per-epoch rows and the summary as JSON")
     p.add_argument('--log-tsv', metavar='PATH',
                    help="write a DAWNBench TSV (epoch, hours, top1Accuracy); one block of rows per run")
-    p.add_argument('--save', metavar='PATH', help="save the last run's EMA model state_dict")
+    p.add_argument('--save', metavar='PATH',
+                   help="save the last finished run's EMA model, with what it takes to rebuild it")
     p.add_argument('--gpu-price', type=float, metavar='USD_PER_HOUR', help='also report the cost per run')
     args = p.parse_args(argv)
     if args.tiny:  # tiny changes the defaults; explicit options still win
@@ -910,6 +1011,18 @@ def check_options(args, hyp, world):
         raise UserError(f"--cutout must be between 0 and 32 pixels, not {hyp['cutout']}")
     if args.gpu_price is not None and args.gpu_price < 0:
         raise UserError(f'--gpu-price must not be negative, not {args.gpu_price}')
+    for option in ('json', 'log_tsv', 'save'):  # 50 runs must not end in a FileNotFoundError
+        path = getattr(args, option) and Path(getattr(args, option))
+        flag = '--' + option.replace('_', '-')
+        if path and path.is_dir():
+            raise UserError(f'{flag} {path} is a folder: give a file name')
+        if path and not path.parent.is_dir():
+            raise UserError(f'{flag} {path}: the folder {path.parent} does not exist')
+        try:
+            if path:
+                tempfile.TemporaryFile(dir=path.parent).close()
+        except OSError as e:
+            raise UserError(f'{flag} {path}: cannot write in {path.parent} ({e.strerror})') from None
 
 
 def prepare_data(args, hyp, local_rank, world):
@@ -917,7 +1030,7 @@ def prepare_data(args, hyp, local_rank, world):
     Under torchrun one rank per machine downloads while the others wait, then they all read it."""
     if world > 1 and local_rank != 0:
         dist.barrier()
-    folder = ensure_cifar10(args.data_dir)
+    folder = ensure_cifar10(args.data_dir, args.data_url)
     if world > 1 and local_rank == 0:
         dist.barrier()
     data = load_cifar10(folder)
@@ -931,83 +1044,98 @@ def prepare_data(args, hyp, local_rank, world):
     return data
 
 
+def summary_so_far(runs, args, device):
+    """The summary of the finished runs, with the runs' peak GPU memory on CUDA."""
+    summary = summarize(runs, args.gpu_price, count_94=not args.tiny)
+    if device.type == 'cuda':
+        summary['peak_memory_gb'] = torch.cuda.max_memory_allocated(device) / 1e9
+    return summary
+
+
 def main(argv=None):
     """Train --runs models, print the table and the summary; returns the exit status.
 
     Run plainly, this is one process. Run under torchrun, it is one rank of a process group
-    (NCCL on CUDA, gloo on CPU) and only rank 0 prints and writes files.
+    (NCCL on CUDA, gloo on CPU) and only rank 0 prints and writes files. Ctrl-C at any stage
+    ends it cleanly: exit status 130, the summary of the runs finished so far, no traceback.
     """
     if argv is None:
         argv = [] if in_notebook_cell() else sys.argv[1:]
-    args = parse_args(argv)
+    try:
+        args = parse_args(argv)
+    except SystemExit as e:  # a usage error (2) or --help (0): a status, also in a notebook
+        return e.code
     hyp = {**HYP, **(TINY if args.tiny else {}),
            'epochs': args.epochs, 'batch_size': args.batch_size, 'cutout': args.cutout}
     rank, local_rank, world = torchrun_ranks()
     log = print if rank == 0 else (lambda *_, **__: None)
+    runs, device = [], None
     try:
-        check_options(args, hyp, world)
-        device = pick_device(args.device, local_rank if world > 1 else None)
-        dtype = pick_dtype(args.dtype, device)
+        try:
+            check_options(args, hyp, world)
+            device = pick_device(args.device, local_rank if world > 1 else None)
+            dtype = pick_dtype(args.dtype, device)
+            if world > 1:
+                if device.type == 'cuda':
+                    torch.cuda.set_device(device)
+                dist.init_process_group('nccl' if device.type == 'cuda' else 'gloo',
+                                        device_id=device if device.type == 'cuda' else None)
+            data = prepare_data(args, hyp, local_rank, world)
+        except UserError as e:  # torchrun stops the other ranks when one exits with an error
+            print(f"error{f' (rank {rank})' if world > 1 else ''}: {e}", file=sys.stderr)
+            return 1
+        if device.type == 'cuda':
+            torch.backends.cudnn.benchmark = True  # fixed shapes: let cuDNN pick the fastest kernels
+
+        ranks = ''
         if world > 1:
-            if device.type == 'cuda':
-                torch.cuda.set_device(device)
-            dist.init_process_group('nccl' if device.type == 'cuda' else 'gloo',
-                                    device_id=device if device.type == 'cuda' else None)
-        data = prepare_data(args, hyp, local_rank, world)
-    except UserError as e:  # torchrun stops the other ranks when one exits with an error
-        print(f"error{f' (rank {rank})' if world > 1 else ''}: {e}", file=sys.stderr)
-        return 1
-    if device.type == 'cuda':
-        torch.backends.cudnn.benchmark = True  # fixed shapes: let cuDNN pick the fastest kernels
+            ranks = f" | {world} ranks ({dist.get_backend()}), {hyp['batch_size'] // world} images each per step"
+        log(f'train_cifar10.py {script_hash()} | torch {torch.__version__} | {device_description(device)}{ranks}')
+        log(f"dtype {str(dtype).replace('torch.', '')} (batch norm fp32, EMA fp32) | seed {args.seed} | "
+            f"{len(data['train_images'])} train / {len(data['test_images'])} test images")
+        log('hyperparameters: ' + ', '.join(f'{k}={v}' for k, v in hyp.items()))
+        log(f"data: {data['provenance']}")
+        log("valid = flip-TTA accuracy of the EMA model; total time = preprocessing + training "
+            "(DAWNBench rule: validation excluded, after a warm-up)")
+        context = dict(script_sha256=script_hash(), torch=torch.__version__, device=device_description(device),
+                       ranks=world, dtype=str(dtype), hyperparameters=hyp, data=data['provenance'])
+        progress = Progress(enabled=rank == 0 and sys.stderr.isatty())
 
-    ranks = ''
-    if world > 1:
-        ranks = f" | {world} ranks ({dist.get_backend()}), {hyp['batch_size'] // world} images each per step"
-    log(f'train_cifar10.py {script_hash()} | torch {torch.__version__} | {device_description(device)}{ranks}')
-    log(f"dtype {str(dtype).replace('torch.', '')} (batch norm fp32) | seed {args.seed} | "
-        f"{len(data['train_images'])} train / {len(data['test_images'])} test images")
-    log('hyperparameters: ' + ', '.join(f'{k}={v}' for k, v in hyp.items()))
-    log(f"data: {data['provenance']}")
-    log("valid = flip-TTA accuracy of the EMA model; total time = preprocessing + training "
-        "(DAWNBench rule: validation excluded, after a warm-up)")
+        def on_step(label, epochs):
+            return lambda epoch, step, steps: progress.step(f'{label}, epoch {epoch}/{epochs}', step, steps,
+                                                            hyp['batch_size'])
 
-    runs, ema = [], None
-    try:
-        warm_up(data, hyp, device, dtype)
+        def on_epoch(row):
+            progress.clear()
+            log(table_row(row), flush=True)
+
+        log('\nwarm-up: a short untimed run (2 steps and an evaluation) takes the one-off costs', flush=True)
+        warm_up(data, hyp, device, dtype, on_step('warm-up', 1))
+        progress.clear()
         if device.type == 'cuda':
             torch.cuda.reset_peak_memory_stats(device)  # the runs' peak, not the probe's or warm-up's
         for run in range(args.runs):
             log(f'\nrun {run + 1}/{args.runs} (seed {args.seed + run})')
-            log(table_line(COLUMNS))
-            rows, ema = train_run(data, hyp, device, dtype, args.seed + run,
-                                  on_epoch=lambda row: log(table_row(row), flush=True))
+            log(table_line(COLUMNS), flush=True)
+            rows, ema = train_run(data, hyp, device, dtype, args.seed + run, on_epoch,
+                                  on_step(f'run {run + 1}/{args.runs}', hyp['epochs']))
             failed = len(rows) < hyp['epochs'] or not math.isfinite(rows[-1]['valid_loss'])
             if failed:
                 log(f'run {run + 1} FAILED: the loss became NaN in epoch {len(rows)}')
             runs.append(dict(run=run + 1, seed=args.seed + run, failed=failed, rows=rows,
                              accuracy=rows[-1]['valid_acc'], time_s=rows[-1]['total_time']))
+            if rank == 0:
+                write_results(args, context, runs, summary_so_far(runs, args, device), None if failed else ema, hyp)
     except KeyboardInterrupt:
-        log(f'\ninterrupted: summary of the {len(runs)} finished run(s)')
-    summary = summarize(runs, args.gpu_price)
-    if device.type == 'cuda':
-        summary['peak_memory_gb'] = torch.cuda.max_memory_allocated(device) / 1e9
-    log('\n' + '\n'.join(summary_lines(summary)))
-
-    if rank == 0 and args.json:
-        report = dict(script_sha256=script_hash(), torch=torch.__version__, device=device_description(device),
-                      ranks=world, dtype=str(dtype), hyperparameters=hyp, data=data['provenance'],
-                      runs=runs, summary=summary)
-        text = json.dumps(json_ready(report), indent=1, allow_nan=False)
-        write_atomically(args.json, lambda f: f.write(text.encode()))
-    if rank == 0 and args.log_tsv:
-        lines = ['epoch\thours\ttop1Accuracy'] + [
-            f"{row['epoch']}\t{row['total_time'] / 3600:.6f}\t{100 * row['valid_acc']:.2f}"
-            for run in runs for row in run['rows']]
-        write_atomically(args.log_tsv, lambda f: f.write(('\n'.join(lines) + '\n').encode()))
-    if rank == 0 and args.save and ema is not None:
-        write_atomically(args.save, lambda f: torch.save(ema.state_dict(), f))
-    if dist.is_initialized():
-        dist.destroy_process_group()
+        progress_line = '\r\033[K' if sys.stderr.isatty() else ''
+        print(progress_line, end='', file=sys.stderr)
+        log(f'\ninterrupted: summary of the {len(runs)} finished run(s)' if runs else '\ninterrupted')
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    if runs:
+        summary = summary_so_far(runs, args, device)
+        log('\n' + '\n'.join(summary_lines(summary)))
     if len(runs) < args.runs:
         return 130  # the shell's code for Ctrl-C
     return 1 if summary['failed'] else 0
