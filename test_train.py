@@ -83,6 +83,14 @@ def small_model(hyp_overrides=None, whitening=None):
     return T.ResNet9(torch.randn(27, 3, 3, 3) if whitening is None else whitening, hyp), hyp
 
 
+def small_networks(hyp_overrides=None, compile=False, channels_last=False, dtype=torch.float32):
+    """Networks on the CPU, narrow, initialised from seed 0 with random whitening filters."""
+    hyp = {**T.HYP, 'channels': (8, 8, 16, 16), **(hyp_overrides or {})}
+    networks = T.Networks(hyp, torch.device('cpu'), dtype, compile, channels_last)
+    networks.reinitialise(torch.randn(27, 3, 3, 3, generator=torch.Generator().manual_seed(1)), seed=0)
+    return networks, hyp
+
+
 # ---------------------------------------------------------------------------------------------
 # Whitening
 # ---------------------------------------------------------------------------------------------
@@ -167,14 +175,12 @@ def test_schedule_at_and_between_knots(epochs, epoch, expected):
 
 
 def test_each_step_uses_the_schedule_at_its_own_end():
-    model, hyp = small_model({'batch_size': 32, 'epochs': 10})
-    opt = T.optimiser(model, hyp)
+    networks, hyp = small_networks({'batch_size': 32, 'epochs': 10})
     rates = []
-    real_step = opt.step
-    opt.step = lambda lr: (rates.append(lr), real_step(lr))
-    ema = T.copy.deepcopy(model)
+    real_step = networks.opt.step
+    networks.opt.step = lambda lr: (rates.append(lr), real_step(lr))
     images, labels = torch.randn(64, 3, 32, 32), torch.randint(0, 10, (64,))
-    *_, lr = T.train_epoch(model, opt, (T.ema_tensors(ema), T.ema_tensors(model)), images, labels, 2, 0, hyp)
+    *_, lr = T.train_epoch(networks, images, labels, 2, 0, hyp)
     assert rates == pytest.approx([0.25, 0.5])                    # steps 1 and 2 of 2 in epoch 1: peak 1.0 at epoch 2
     assert lr == pytest.approx(0.5)
 
@@ -334,19 +340,18 @@ def test_one_ema_step_equals_the_formula():
 def test_ema_updates_after_batches_0_5_10_of_every_epoch():
     """Page's EMA step is made anew each epoch and fires on its batches 0, 5, 10, ...; with
     momentum 0 the EMA is a copy of the model as it was after the last update's step."""
-    model, hyp = small_model({'batch_size': 32, 'epochs': 4, 'ema_momentum': 0.0})
-    opt = T.optimiser(model, hyp)
-    ema = T.copy.deepcopy(model)
+    networks, hyp = small_networks({'batch_size': 32, 'epochs': 4, 'ema_momentum': 0.0})
     after_step, fired = [], []
-    real_step, real_update = opt.step, T.ema_update
-    opt.step = lambda lr: (real_step(lr), after_step.append(model.head.weight.detach().clone()))
+    real_step, real_update = networks.opt.step, T.ema_update
+    networks.opt.step = lambda lr: (real_step(lr), after_step.append(networks.net.head.weight.detach().clone()))
     images, labels = torch.randn(7 * 32, 3, 32, 32), torch.randint(0, 10, (7 * 32,))
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(T, 'ema_update', lambda *args: (fired.append(len(after_step)), real_update(*args)))
         for epoch in range(2):
-            T.train_epoch(model, opt, (T.ema_tensors(ema), T.ema_tensors(model)), images, labels, 7, 7 * epoch, hyp)
+            T.train_epoch(networks, images, labels, 7, 7 * epoch, hyp)
     assert fired == [1, 6, 8, 13]                                 # batches 0 and 5 of each 7-step epoch
-    assert torch.equal(ema.head.weight, after_step[12]) and not torch.equal(ema.head.weight, after_step[13])
+    ema = networks.ema.head.weight
+    assert torch.equal(ema, after_step[12]) and not torch.equal(ema, after_step[13])
 
 
 def test_optimiser_groups_lr_and_weight_decay():
@@ -940,13 +945,16 @@ if world > 1:
 data = T.load_cifar10(T.ensure_cifar10({data!r}))
 cpu, out = torch.device('cpu'), {out!r}
 if world > 1:  # 30 steps of --tiny: the ranks must still agree bit for bit
-    rows, ema = T.train_run(data, {{**T.HYP, **T.TINY, 'epochs': 2}}, cpu, torch.float32, 0, lambda row: None)
-    torch.save(ema.state_dict(), f'{{out}}/long_{{rank}}.pt')
+    hyp = {{**T.HYP, **T.TINY, 'epochs': 2}}
+    networks = T.Networks(hyp, cpu, torch.float32, compile=False, channels_last=True)
+    T.train_run(data, networks, hyp, cpu, 0, lambda row: None)
+    torch.save(networks.ema.state_dict(), f'{{out}}/long_{{rank}}.pt')
 # 2 steps of 64 images at lr 1; after each, batch-norm averaging and an "EMA" that copies the model
 short = {{k: v[:128] if k.startswith('train') else v for k, v in data.items()}}
 hyp = {{**T.HYP, **T.TINY, 'epochs': 1, 'lr_peak': 1.0, 'lr_floor': 1.0, 'ema_every': 1, 'ema_momentum': 0.0}}
-rows, ema = T.train_run(short, hyp, cpu, torch.float32, 0, lambda row: None)
-torch.save(ema.state_dict(), f'{{out}}/short_{{world}}_{{rank}}.pt')
+networks = T.Networks(hyp, cpu, torch.float32, compile=False, channels_last=True)
+rows = T.train_run(short, networks, hyp, cpu, 0, lambda row: None)
+torch.save(networks.ema.state_dict(), f'{{out}}/short_{{world}}_{{rank}}.pt')
 (open(f'{{out}}/rows_{{world}}_{{rank}}.json', 'w')).write(json.dumps(rows))
 """
 

@@ -31,6 +31,7 @@ import math
 import os
 import pickle
 import platform
+import re
 import shutil
 import sys
 import tarfile
@@ -374,24 +375,29 @@ def whitening_filters(images, eps):
     in fp32 from shifted views (no unfold, which some MPS builds lack); its eigenvectors are found
     in float64 on the CPU (MPS has no float64).
     """
-    x = images.float()
-    n, c, h, w = x.shape
-    shifted = [x[:, :, i:i + h - 2, j:j + w - 2] for i in range(3) for j in range(3)]
-    patches = torch.stack(shifted, dim=2).reshape(n, c * 9, -1)  # N x 27 x windows, (channel, row, col)
-    moment = (patches @ patches.transpose(1, 2)).sum(0) / (n * patches.shape[2] - 1)
-    eigenvalues, eigenvectors = torch.linalg.eigh(moment.cpu().double())  # ascending order
+    eigenvalues, eigenvectors = torch.linalg.eigh(patch_moment(images).cpu().double())  # ascending order
     eigenvalues, eigenvectors = eigenvalues.flip(0), eigenvectors.T.flip(0)
     filters = eigenvectors / torch.sqrt(eigenvalues + eps)[:, None]
     return filters.reshape(-1, 3, 3, 3).float().to(images.device)
 
 
+def patch_moment(images):
+    """X^T X / (N - 1) over the N 3x3 patches X (27 values each, in (channel, row, col) order)."""
+    x = images.float()
+    n, c, h, w = x.shape
+    shifted = [x[:, :, i:i + h - 2, j:j + w - 2] for i in range(3) for j in range(3)]
+    patches = torch.stack(shifted, dim=2).reshape(n, c * 9, -1)  # N x 27 x windows
+    return (patches @ patches.transpose(1, 2)).sum(0) / (n * patches.shape[2] - 1)
+
+
 class GhostBatchNorm(nn.BatchNorm2d):
     """Batch norm with statistics over splits of split_size images, scale frozen at 1.
 
-    Small-batch statistics are noisier, which regularises (Page: 32 images per split). Split k of
-    a batch of n = s x split_size images holds images k, k+s, k+2s, ...: a free reshape that puts
-    each split in channels of their own. Each split moves a copy of the running statistics; the
-    average of those copies is kept, which is what one running average over all splits would be.
+    Small-batch statistics are noisier, which regularises (Page: 32 images per split). With s
+    splits, split k holds images k, k+s, k+2s, ... as in Page's code: x.view(n/s, s, c, h, w)[:, k].
+    Splitting the batch dimension is a view in any memory layout, so channels_last activations are
+    never copied. Statistics are taken in fp32. The running statistics move by the average of the
+    splits' statistics, which is what one running average per split, averaged, would hold.
     """
 
     def __init__(self, channels, split_size):
@@ -404,13 +410,15 @@ class GhostBatchNorm(nn.BatchNorm2d):
             return super().forward(x)
         n, c, h, w = x.shape
         splits = n // self.split_size
-        mean, var = self.running_mean.repeat(splits), self.running_var.repeat(splits)
-        y = F.batch_norm(x.reshape(-1, c * splits, h, w), mean, var, self.weight.repeat(splits),
-                         self.bias.repeat(splits), True, self.momentum, self.eps)
+        xs = x.view(-1, splits, c, h, w).float()  # xs[:, k] is split k
+        var, mean = torch.var_mean(xs, dim=(0, 3, 4), correction=0, keepdim=True)
+        scale = torch.rsqrt(var + self.eps) * self.weight.view(1, 1, c, 1, 1)
+        y = (xs - mean) * scale + self.bias.view(1, 1, c, 1, 1)
         with torch.no_grad():
-            self.running_mean.copy_(mean.view(splits, c).mean(0))
-            self.running_var.copy_(var.view(splits, c).mean(0))
-        return y.view(n, c, h, w)
+            count = self.split_size * h * w  # values behind each statistic: unbiased variance below
+            self.running_mean.lerp_(mean.view(splits, c).mean(0), self.momentum)
+            self.running_var.lerp_(var.view(splits, c).mean(0) * (count / (count - 1)), self.momentum)
+        return y.to(x.dtype).view(n, c, h, w)
 
 
 def conv_bn(c_in, c_out, hyp, pool=False):
@@ -502,6 +510,14 @@ class Nesterov:
                                     copies=[(p, w) for p, w in zip(params, masters) if p.dtype != w.dtype]))
 
     @torch.no_grad()
+    def reset(self):
+        """A new run: zero momentum, and master copies of the re-initialised weights."""
+        for g in self.groups:
+            torch._foreach_zero_(g['velocities'])
+            for p, w in g['copies']:
+                w.copy_(p)
+
+    @torch.no_grad()
     def step(self, lr):
         """One update at the schedule's value lr (times each group's lr_scale)."""
         m = self.momentum
@@ -561,20 +577,26 @@ def ema_update(averages, tensors, momentum):
     torch._foreach_lerp_(averages, [t.float() for t in tensors], 1 - momentum)
 
 
-def train_epoch(model, opt, averaged, images, labels, steps, first_step, hyp, on_step=lambda i, steps: None):
-    """One pass over the shuffled batches. Loss and correct counts stay on the device; on_step
-    (progress shown to the user) gets the number of steps taken and reads nothing from the device.
+def summed_loss(model, images, labels, label_smoothing):
+    """The label-smoothed cross-entropy summed over the batch, in fp32, and the logits."""
+    logits = model(images)
+    return F.cross_entropy(logits.float(), labels, label_smoothing=label_smoothing, reduction='sum'), logits
 
-    averaged = (EMA tensors, the model's tensors): the EMA is updated after batches 0, 5, 10, ...
-    of every epoch, the first included (Page's phase: 20 updates in an epoch of 97 steps).
-    Under DistributedDataParallel, model is the wrapper: it averages the gradients over the ranks,
-    so each rank's summed loss is scaled by the number of ranks to give the gradient of the loss
-    summed over the global batch. Batch-norm statistics, which each rank gathers from its own
-    images, are averaged over the ranks before each EMA update; the EMA then stays identical on
-    every rank, and equal to one process's, since both averages are linear.
+
+def train_epoch(networks, images, labels, steps, first_step, hyp, on_step=lambda i, steps: None):
+    """One pass over the shuffled batches. Loss and correct counts stay on the device: nothing in
+    an epoch waits for the device. on_step (progress shown to the user) gets the steps taken.
+
+    The EMA is updated after batches 0, 5, 10, ... of every epoch, the first included (Page's
+    phase: 20 updates in an epoch of 97 steps). Under DistributedDataParallel, networks.model is
+    the wrapper: it averages the gradients over the ranks, so each rank's summed loss is scaled by
+    the number of ranks to give the gradient of the loss summed over the global batch. Batch-norm
+    statistics, which each rank gathers from its own images, are averaged over the ranks before
+    each EMA update; the EMA then stays identical on every rank, and equal to one process's, since
+    both averages are linear.
     """
     _, world = rank_and_world()
-    bn_statistics = [b for m in getattr(model, 'module', model).modules() if isinstance(m, nn.BatchNorm2d)
+    bn_statistics = [b for m in networks.net.modules() if isinstance(m, nn.BatchNorm2d)
                      for b in (m.running_mean, m.running_var)]
     knots, values = lr_knots(hyp)
     batch = len(images) // steps
@@ -584,15 +606,14 @@ def train_epoch(model, opt, averaged, images, labels, steps, first_step, hyp, on
         step = first_step + i + 1  # counted from 1: the first step already has a non-zero lr
         lr = piecewise_linear(step / steps, knots, values)
         x, y = images[i * batch:(i + 1) * batch], labels[i * batch:(i + 1) * batch]
-        logits = model(x)
-        loss = F.cross_entropy(logits.float(), y, label_smoothing=hyp['label_smoothing'], reduction='sum')
-        opt.zero_grad()
+        loss, logits = networks.summed_loss(networks.model, x, y, hyp['label_smoothing'])
+        networks.opt.zero_grad()
         (loss * world).backward()
-        opt.step(lr)
+        networks.opt.step(lr)
         if i % hyp['ema_every'] == 0:
             if world > 1:
                 average_over_ranks(bn_statistics)
-            ema_update(*averaged, hyp['ema_momentum'] ** hyp['ema_every'])
+            ema_update(*networks.averaged, hyp['ema_momentum'] ** hyp['ema_every'])
         loss_sum += loss.detach()
         correct += (logits.argmax(1) == y).sum()
         on_step(i + 1, steps)
@@ -603,17 +624,19 @@ def train_epoch(model, opt, averaged, images, labels, steps, first_step, hyp, on
 # Evaluation: flip test-time augmentation
 # =============================================================================================
 def flip_tta_logits(model, images):
-    """Mean of the logits of each image and of its left-right mirror."""
-    return (model(images) + model(images.flip(3))) / 2
+    """Mean of the logits of each image and of its left-right mirror, in one forward pass."""
+    logits = model(torch.cat([images, images.flip(3)]))
+    return (logits[:len(images)] + logits[len(images):]) / 2
 
 
 @torch.no_grad()
-def evaluate(model, images, labels, hyp):
-    """Summed loss (label-smoothed, as in training) and correct count with flip-TTA, on the device."""
+def evaluate(networks, images, labels, hyp):
+    """Summed loss (label-smoothed, as in training) and correct count of the EMA model with
+    flip-TTA, on the device."""
     loss_sum = torch.zeros((), device=images.device)
     correct = torch.zeros((), device=images.device, dtype=torch.long)
     for x, y in zip(images.split(hyp['eval_batch_size']), labels.split(hyp['eval_batch_size'])):
-        logits = flip_tta_logits(model, x).float()
+        logits = networks.tta_logits(networks.ema, x).float()
         loss_sum += F.cross_entropy(logits, y, label_smoothing=hyp['label_smoothing'], reduction='sum')
         correct += (logits.argmax(1) == y).sum()
     return loss_sum, correct
@@ -644,18 +667,58 @@ def data_parallel(net, device):
         net, device_ids=[device] if device.type == 'cuda' else None, **{no_forward_sync: False})
 
 
-def train_run(data, hyp, device, dtype, seed, on_epoch, on_step=lambda epoch, step, steps: None):
-    """Train one model from the uint8 arrays and return (per-epoch rows, the EMA model).
+class Networks:
+    """What is built once and serves every run: the training network (training dtype, batch norm
+    in fp32), its data-parallel wrapper under torchrun, the fp32 EMA copy that is evaluated, the
+    optimiser, and the loss and flip-TTA functions, compiled with torch.compile or not.
+
+    Runs 2..50 pay neither for building nor for compiling: reinitialise() gives a run the fresh
+    weights a newly built network would have. Compiling the loss and the evaluation as two
+    functions, each for one fixed network and shape, means they never recompile: not across runs,
+    not between the training and the EMA model.
+    """
+
+    def __init__(self, hyp, device, dtype, compile, channels_last):
+        _, world = rank_and_world()
+        self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
+        self.initial = ResNet9(torch.zeros(27, 3, 3, 3), hyp)  # on the CPU: draws each run's weights
+        self.net = to_training_precision(copy.deepcopy(self.initial), dtype).to(device, memory_format=self.memory_format)
+        self.model = data_parallel(self.net, device) if world > 1 else self.net
+        self.ema = copy.deepcopy(self.initial).to(device, memory_format=self.memory_format)
+        self.ema.eval().requires_grad_(False)
+        self.averaged = ema_tensors(self.ema), ema_tensors(self.net)  # the EMA's pairs, listed once
+        self.opt = optimiser(self.net, hyp)
+        self.summed_loss = torch.compile(summed_loss, dynamic=False) if compile else summed_loss
+        self.tta_logits = torch.compile(flip_tta_logits, dynamic=False) if compile else flip_tta_logits
+
+    @torch.no_grad()
+    def reinitialise(self, whitening, seed):
+        """The weights a newly built ResNet9 would draw with this seed, drawn on the CPU so that every
+        device and rank draws the same, and the run's whitening filters; the EMA starts equal."""
+        torch.manual_seed(seed)
+        for module in self.initial.modules():  # in construction order, as a new network draws them
+            if isinstance(module, (nn.Conv2d, nn.Linear, nn.BatchNorm2d)):
+                module.reset_parameters()
+        self.initial.whitening.copy_(whitening)
+        self.net.load_state_dict(self.initial.state_dict())  # copies into the training dtype and layout
+        self.ema.load_state_dict(self.initial.state_dict())
+        self.opt.reset()
+
+
+def train_run(data, networks, hyp, device, seed, on_epoch, on_step=lambda epoch, step, steps: None):
+    """Train one model from the uint8 arrays and return the per-epoch rows; networks.ema then
+    holds the run's EMA model.
 
     seed fixes the initial weights and every augmentation draw; both are drawn on the CPU, so a
     seed gives the same run on any device, and every rank of a process group the same order.
-    The clock covers everything a lone run does: upload, normalisation, padding, whitening,
-    building the model, and the training epochs. It stops for validation and is read only after
-    a device sync, at epoch boundaries, never once per step. Under torchrun each rank trains on
-    its share of every batch and evaluates its share of the test set; the counts are summed.
+    The clock covers everything a lone run does but build the networks: upload, normalisation,
+    padding, whitening, initialising the weights, and the training epochs. It stops for
+    validation and is read only after a device sync, at epoch boundaries, never once per step.
+    Under torchrun each rank trains on its share of every batch and evaluates its share of the
+    test set; the counts are summed.
     """
     rank, world = rank_and_world()
-    torch.manual_seed(seed)
+    dtype = networks.net.whitening.dtype
     generator = torch.Generator().manual_seed(seed)
     synchronize(device)
     start = time.perf_counter()
@@ -663,30 +726,28 @@ def train_run(data, hyp, device, dtype, seed, on_epoch, on_step=lambda epoch, st
     train_labels = torch.from_numpy(data['train_labels']).to(device)
     # the EMA model is kept and evaluated in fp32, so its test images are fp32 too
     test = normalise(data['test_images'][rank::world], device, torch.float32)  # this rank's share
+    test = test.contiguous(memory_format=networks.memory_format)
     test_labels = torch.from_numpy(data['test_labels'][rank::world]).to(device)
     padded = F.pad(train, (hyp['pad'],) * 4, mode='reflect')
     whitening = whitening_filters(train[:hyp['whitening_images']], hyp['whitening_eps'])
     if world > 1:
         dist.broadcast(whitening, 0)  # rank 0's filters, not each rank's recomputation bit for bit
-    net = to_training_precision(ResNet9(whitening, hyp).to(device), dtype)
-    model = data_parallel(net, device) if world > 1 else net
-    ema = copy.deepcopy(net).float().eval().requires_grad_(False)  # the model that is evaluated
-    averaged = ema_tensors(ema), ema_tensors(net)
-    opt = optimiser(net, hyp)
+    networks.reinitialise(whitening, seed)
     synchronize(device)
     total_time = time.perf_counter() - start
     rows, step = [], 0
     for epoch in range(1, hyp['epochs'] + 1):
         start = time.perf_counter()
         images, labels, steps = augmented_epoch(padded, train_labels, hyp, generator, rank, world)
-        train_loss, train_correct, lr = train_epoch(model, opt, averaged, images, labels, steps, step, hyp,
+        images = images.contiguous(memory_format=networks.memory_format)
+        train_loss, train_correct, lr = train_epoch(networks, images, labels, steps, step, hyp,
                                                     on_step=lambda i, steps, epoch=epoch: on_step(epoch, i, steps))
         step += steps
         synchronize(device)
         train_time = time.perf_counter() - start
         total_time += train_time
         start = time.perf_counter()
-        valid_loss, valid_correct = evaluate(ema, test, test_labels, hyp)
+        valid_loss, valid_correct = evaluate(networks, test, test_labels, hyp)
         synchronize(device)
         valid_time = time.perf_counter() - start
         sums = torch.stack([train_loss, train_correct.float(), valid_loss, valid_correct.float()])
@@ -702,16 +763,17 @@ def train_run(data, hyp, device, dtype, seed, on_epoch, on_step=lambda epoch, st
         on_epoch(row)
         if not (math.isfinite(row['train_loss']) and math.isfinite(row['valid_loss'])):
             break  # diverged: the caller reports the run as failed
-    return rows, ema
+    return rows
 
 
-def warm_up(data, hyp, device, dtype, on_step):
-    """A short throwaway run before the first clock starts, so that one-off costs (CUDA context,
-    cuDNN's algorithm search for each shape, lazy allocations) are not charged to run 1."""
+def warm_up(data, networks, hyp, device, on_step):
+    """A short throwaway run before the first clock starts, so that one-off costs (compilation,
+    the CUDA context, cuDNN's algorithm search for each shape, lazy allocations) are not charged
+    to run 1. It uses the runs' batch shapes, so the compiled functions are the runs' own."""
     b, e = hyp['batch_size'], hyp['eval_batch_size']
     subset = dict(train_images=data['train_images'][:2 * b], train_labels=data['train_labels'][:2 * b],
                   test_images=data['test_images'][:e], test_labels=data['test_labels'][:e])
-    train_run(subset, {**hyp, 'epochs': 1}, device, dtype, seed=0, on_epoch=lambda row: None, on_step=on_step)
+    train_run(subset, networks, {**hyp, 'epochs': 1}, device, seed=0, on_epoch=lambda row: None, on_step=on_step)
 
 
 def probe_run(device, dtype):
@@ -725,7 +787,8 @@ def probe_run(device, dtype):
                 test_labels=rng.integers(0, NUM_CLASSES, n))
     hyp = {**HYP, 'channels': (8, 8, 8, 8), 'epochs': 1, 'batch_size': n // 2, 'eval_batch_size': n // 2,
            'whitening_images': n, 'cutout': 8}
-    train_run(data, hyp, device, dtype, seed=0, on_epoch=lambda row: None)
+    networks = Networks(hyp, device, dtype, compile=False, channels_last=device.type != 'mps')
+    train_run(data, networks, hyp, device, seed=0, on_epoch=lambda row: None)
 
 
 # =============================================================================================
@@ -763,9 +826,11 @@ def t_quantile(p, df):
     return (low + high) / 2
 
 
-def summarize(runs, gpu_price=None, count_94=True):
+def summarize(runs, gpu_price=None, count_94=True, flops=None, peak=None, world=1):
     """Statistics over the finished runs; failed (diverged) runs are counted, not averaged.
-    count_94: count the runs that reached the recipe's 94 % (meaningless for --tiny)."""
+    count_94: count the runs that reached the recipe's 94 % (meaningless for --tiny). flops: the
+    model FLOPs of a run, for the achieved TFLOP/s, and with the peak TFLOP/s of one of the world
+    devices, the model-FLOP utilisation."""
     finished = [r for r in runs if not r['failed']]
     summary = dict(runs=len(runs), finished=len(finished), failed=len(runs) - len(finished))
     if not finished:
@@ -783,6 +848,10 @@ def summarize(runs, gpu_price=None, count_94=True):
         summary.update(acc_std=std, acc_ci95=(acc.mean() - half_width, acc.mean() + half_width))
     if gpu_price is not None:
         summary['cost_per_run_usd'] = times.mean() / 3600 * gpu_price
+    if flops:
+        summary['tflops_per_s'] = flops / 1e12 / times.mean()
+        if peak:
+            summary['mfu'] = summary['tflops_per_s'] / (peak * world)
     return {k: (float(v) if isinstance(v, np.floating) else v) for k, v in summary.items()}
 
 
@@ -802,6 +871,9 @@ def summary_lines(s):
                  f"max {s['time_max_s']:.2f} s")
     if 'cost_per_run_usd' in s:
         lines.append(f"cost per run: ${s['cost_per_run_usd']:.5f}")
+    if 'tflops_per_s' in s:
+        mfu = f", model-FLOP utilisation {100 * s['mfu']:.1f} %" if 'mfu' in s else ''
+        lines.append(f"achieved: {s['tflops_per_s']:.2f} TFLOP/s of model FLOPs per run{mfu}")
     if 'peak_memory_gb' in s:
         lines.append(f"peak GPU memory: {s['peak_memory_gb']:.2f} GB")
     return lines
@@ -820,6 +892,60 @@ def script_hash():
     """sha256 of this file, so that a log tells which version made it (none when pasted in a cell)."""
     path = globals().get('__file__')
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16] if path and os.path.isfile(path) else 'n/a'
+
+
+def count_flops(hyp, n_train, n_test):
+    """Model FLOPs of a run as torch.utils.flop_counter counts them (convolutions, matrix products),
+    on a copy of the network on the meta device, where nothing is computed: one training step
+    (forward and backward) of the whole batch, the whitening's patch moment, and one evaluation
+    pass (flip-TTA: two forwards of every test image)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    def flops(work):
+        with FlopCounterMode(display=False) as counter:
+            work()
+        return counter.get_total_flops()
+
+    with torch.device('meta'):
+        net = ResNet9(torch.zeros(27, 3, 3, 3), hyp)
+        batch = torch.zeros(hyp['batch_size'], 3, 32, 32)
+        labels = torch.zeros(hyp['batch_size'], dtype=torch.long)
+        step = flops(lambda: summed_loss(net, batch, labels, hyp['label_smoothing'])[0].backward())
+        whitening = flops(lambda: patch_moment(torch.zeros(min(hyp['whitening_images'], n_train), 3, 32, 32)))
+        with torch.no_grad():
+            evaluation = flops(lambda: flip_tta_logits(net.eval(), torch.zeros(n_test, 3, 32, 32)))
+    steps = hyp['epochs'] * (n_train // hyp['batch_size'])
+    return dict(step=step, steps=steps, whitening=whitening, run=steps * step + whitening, evaluation=evaluation)
+
+
+# Dense fp16/bf16 tensor-core peaks in TFLOP/s (fp32 accumulation, no sparsity) from NVIDIA's
+# datasheets, which quote twice these "with sparsity", and architecture whitepapers. The first
+# name found as a word in torch.cuda.get_device_name() wins.
+PEAK_TFLOPS = (
+    ('H100 PCIe', 756),  # H100 datasheet: 1,513 with sparsity
+    ('H100 NVL', 835),   # H100 NVL datasheet: 1,671 with sparsity
+    ('H100', 989),       # H100 SXM datasheet: 1,979 with sparsity
+    ('H200', 989),       # H200 datasheet: 1,979 with sparsity
+    ('A100', 312),       # A100 datasheet: 624 with sparsity
+    ('A10', 125),        # A10 datasheet: 250 with sparsity
+    ('L4', 121),         # L4 datasheet: 242 with sparsity
+    ('V100-PCIE', 112),  # V100 datasheet, PCIe card
+    ('V100', 125),       # V100 datasheet, SXM2
+    ('T4', 65),          # T4 datasheet, mixed fp16/fp32
+    ('RTX 4090', 165),   # Ada (AD102) whitepaper, fp32 accumulate; 330 with fp16 accumulate
+    ('RTX 3090', 71),    # Ampere GA102 whitepaper, fp32 accumulate; 142 with fp16 accumulate
+)
+
+
+def peak_tflops(device, dtype, given=None):
+    """The device's peak for this dtype: the --peak-tflops given, else the table's dense fp16/bf16
+    figure for a known GPU training in fp16 or bf16; None when unknown (a CPU, fp32)."""
+    if given:
+        return given
+    if device.type != 'cuda' or dtype not in (torch.float16, torch.bfloat16):
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in PEAK_TFLOPS if re.search(rf'\b{re.escape(key)}\b', name)), None)
 
 
 def write_atomically(path, write):
@@ -929,6 +1055,11 @@ def parse_args(argv):
     p.add_argument('--save', metavar='PATH',
                    help="save the last finished run's EMA model, with what it takes to rebuild it")
     p.add_argument('--gpu-price', type=float, metavar='USD_PER_HOUR', help='also report the cost per run')
+    p.add_argument('--compile', action=argparse.BooleanOptionalAction, default=None,
+                   help='torch.compile the training and evaluation passes (outside the timed runs); '
+                        'default: on for cuda and cpu, off for mps and for --tiny')
+    p.add_argument('--peak-tflops', type=float, metavar='TFLOPS',
+                   help="the device's peak, for the model-FLOP utilisation (known GPUs are in PEAK_TFLOPS)")
     args = p.parse_args(argv)
     if args.tiny:  # tiny changes the defaults; explicit options still win
         p.set_defaults(epochs=TINY['epochs'], batch_size=TINY['batch_size'])
@@ -1011,6 +1142,8 @@ def check_options(args, hyp, world):
         raise UserError(f"--cutout must be between 0 and 32 pixels, not {hyp['cutout']}")
     if args.gpu_price is not None and args.gpu_price < 0:
         raise UserError(f'--gpu-price must not be negative, not {args.gpu_price}')
+    if args.peak_tflops is not None and args.peak_tflops <= 0:
+        raise UserError(f'--peak-tflops must be positive, not {args.peak_tflops}')
     for option in ('json', 'log_tsv', 'save'):  # 50 runs must not end in a FileNotFoundError
         path = getattr(args, option) and Path(getattr(args, option))
         flag = '--' + option.replace('_', '-')
@@ -1044,9 +1177,41 @@ def prepare_data(args, hyp, local_rank, world):
     return data
 
 
-def summary_so_far(runs, args, device):
+def speed_settings(args, device):
+    """(compile, channels_last) for this device. Compiling wins on CUDA (what airbench ships) and
+    on a CPU (a step 1.3 times as fast here), but costs a minute on a CPU, more than all of
+    --tiny; MPS's compiler is experimental. channels_last is what tensor cores and the CPU's
+    convolutions are fastest in."""
+    compile = device.type == 'cuda' or (device.type == 'cpu' and not args.tiny)
+    return (compile if args.compile is None else args.compile), device.type != 'mps'
+
+
+def compiled_warm_up(data, hyp, device, dtype, compile, channels_last, on_step, log):
+    """Build the networks and warm them up. When compiling, the warm-up runs twice: the difference
+    is the compilation time, printed on its own line. A compilation that fails (no C++ compiler,
+    no Triton) is said in one line, and training goes on eager."""
+    networks = Networks(hyp, device, dtype, compile, channels_last)
+    start = time.perf_counter()
+    try:
+        warm_up(data, networks, hyp, device, on_step)
+    except Exception as e:  # whatever the compiler raised; eager then shows a real error as it is
+        if not compile:
+            raise
+        reason = f'{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ""}'[:200]
+        log(f'torch.compile failed ({reason}): training eager instead')
+        return compiled_warm_up(data, hyp, device, dtype, False, channels_last, on_step, log)
+    if compile:
+        with_compilation = time.perf_counter() - start
+        start = time.perf_counter()
+        warm_up(data, networks, hyp, device, on_step)
+        log(f'torch.compile: {with_compilation - (time.perf_counter() - start):.1f} s, '
+            'in the warm-up, outside every run\'s time')
+    return networks, compile
+
+
+def summary_so_far(runs, args, device, flops=None, peak=None, world=1):
     """The summary of the finished runs, with the runs' peak GPU memory on CUDA."""
-    summary = summarize(runs, args.gpu_price, count_94=not args.tiny)
+    summary = summarize(runs, args.gpu_price, count_94=not args.tiny, flops=flops, peak=peak, world=world)
     if device.type == 'cuda':
         summary['peak_memory_gb'] = torch.cuda.max_memory_allocated(device) / 1e9
     return summary
@@ -1095,10 +1260,18 @@ def main(argv=None):
             f"{len(data['train_images'])} train / {len(data['test_images'])} test images")
         log('hyperparameters: ' + ', '.join(f'{k}={v}' for k, v in hyp.items()))
         log(f"data: {data['provenance']}")
+        compile, channels_last = speed_settings(args, device)
+        flops = count_flops(hyp, len(data['train_images']), len(data['test_images']))
+        peak = peak_tflops(device, dtype, args.peak_tflops)
+        log(f"model FLOPs: {flops['step'] / 1e12:.4g} TFLOP a training step x {flops['steps']} steps + "
+            f"{flops['whitening'] / 1e12:.4g} whitening = {flops['run'] / 1e12:.4g} TFLOP a run (timed); "
+            f"{flops['evaluation'] / 1e12:.4g} TFLOP an evaluation (not timed)"
+            + (f' | peak {peak:g} TFLOP/s' + (f' x {world}' if world > 1 else '') if peak else ''))
         log("valid = flip-TTA accuracy of the EMA model; total time = preprocessing + training "
             "(DAWNBench rule: validation excluded, after a warm-up)")
         context = dict(script_sha256=script_hash(), torch=torch.__version__, device=device_description(device),
-                       ranks=world, dtype=str(dtype), hyperparameters=hyp, data=data['provenance'])
+                       ranks=world, dtype=str(dtype), hyperparameters=hyp, data=data['provenance'],
+                       channels_last=channels_last, flops=flops, peak_tflops=peak)
         progress = Progress(enabled=rank == 0 and sys.stderr.isatty())
 
         def on_step(label, epochs):
@@ -1109,23 +1282,27 @@ def main(argv=None):
             progress.clear()
             log(table_row(row), flush=True)
 
-        log('\nwarm-up: a short untimed run (2 steps and an evaluation) takes the one-off costs', flush=True)
-        warm_up(data, hyp, device, dtype, on_step('warm-up', 1))
+        log(f"\nwarm-up: a short untimed run (2 steps and an evaluation){' with compilation' if compile else ''} "
+            'takes the one-off costs', flush=True)
+        networks, compile = compiled_warm_up(data, hyp, device, dtype, compile, channels_last,
+                                             on_step('warm-up', 1), log)
+        context['compiled'] = compile
         progress.clear()
         if device.type == 'cuda':
             torch.cuda.reset_peak_memory_stats(device)  # the runs' peak, not the probe's or warm-up's
         for run in range(args.runs):
             log(f'\nrun {run + 1}/{args.runs} (seed {args.seed + run})')
             log(table_line(COLUMNS), flush=True)
-            rows, ema = train_run(data, hyp, device, dtype, args.seed + run, on_epoch,
-                                  on_step(f'run {run + 1}/{args.runs}', hyp['epochs']))
+            rows = train_run(data, networks, hyp, device, args.seed + run, on_epoch,
+                             on_step(f'run {run + 1}/{args.runs}', hyp['epochs']))
             failed = len(rows) < hyp['epochs'] or not math.isfinite(rows[-1]['valid_loss'])
             if failed:
                 log(f'run {run + 1} FAILED: the loss became NaN in epoch {len(rows)}')
             runs.append(dict(run=run + 1, seed=args.seed + run, failed=failed, rows=rows,
                              accuracy=rows[-1]['valid_acc'], time_s=rows[-1]['total_time']))
             if rank == 0:
-                write_results(args, context, runs, summary_so_far(runs, args, device), None if failed else ema, hyp)
+                write_results(args, context, runs, summary_so_far(runs, args, device, flops['run'], peak, world),
+                              None if failed else networks.ema, hyp)
     except KeyboardInterrupt:
         progress_line = '\r\033[K' if sys.stderr.isatty() else ''
         print(progress_line, end='', file=sys.stderr)
@@ -1134,7 +1311,7 @@ def main(argv=None):
         if dist.is_initialized():
             dist.destroy_process_group()
     if runs:
-        summary = summary_so_far(runs, args, device)
+        summary = summary_so_far(runs, args, device, flops['run'], peak, world)
         log('\n' + '\n'.join(summary_lines(summary)))
     if len(runs) < args.runs:
         return 130  # the shell's code for Ctrl-C
