@@ -18,6 +18,9 @@ import subprocess
 import sys
 import tarfile
 import threading
+import time
+import types
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -261,13 +264,29 @@ def test_augmentation_is_the_same_whatever_the_device_and_its_random_state():
 # ---------------------------------------------------------------------------------------------
 # Network pieces
 # ---------------------------------------------------------------------------------------------
-def test_ghost_batch_norm_equals_batch_norm_of_each_split_by_hand():
+class OpLog(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the name of every aten operation that runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize('layout', [torch.contiguous_format, torch.channels_last])
+def test_ghost_batch_norm_equals_batch_norm_of_each_split_by_hand_without_copies(layout):
     torch.manual_seed(0)
     bn = T.GhostBatchNorm(4, split_size=32)
     with torch.no_grad():
         bn.bias.copy_(torch.tensor([0.1, -0.2, 0.3, 0.0]))
-    x = torch.randn(96, 4, 5, 5) * 3 + 1                          # 3 splits of 32
-    y = bn(x)
+    x = (torch.randn(96, 4, 5, 5) * 3 + 1).contiguous(memory_format=layout)   # 3 splits of 32
+    with OpLog() as log:
+        y = bn(x)
+    assert not {'aten.clone', 'aten.copy_', 'aten._to_copy', 'aten.contiguous'} & set(log.ops)   # no copy
+    assert y.is_contiguous(memory_format=layout)
     means, variances = [], []
     for k in range(3):                                            # split k: images k, k+3, k+6, ...
         chunk = x[k::3].double()
@@ -281,6 +300,19 @@ def test_ghost_batch_norm_equals_batch_norm_of_each_split_by_hand():
     torch.testing.assert_close(bn.running_mean.double(), 0.1 * torch.stack(means).mean(0), atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(bn.running_var.double(), 0.9 + 0.1 * torch.stack(variances).mean(0), atol=1e-6, rtol=1e-6)
     assert not bn.weight.requires_grad and bn.bias.requires_grad and (bn.weight == 1).all()
+
+
+def test_ghost_batch_norm_gradient_equals_batch_norm_of_each_split():
+    x = torch.randn(64, 3, 4, 4, dtype=torch.float64, requires_grad=True)
+    bn = T.GhostBatchNorm(3, split_size=32).double()
+    upstream = torch.randn(64, 3, 4, 4, dtype=torch.float64)
+    (bn(x) * upstream).sum().backward()
+    x2 = x.detach().clone().requires_grad_(True)
+    y2 = torch.empty_like(x2)
+    for k in range(2):                                            # torch's own batch norm, one split at a time
+        y2[k::2] = F.batch_norm(x2[k::2], None, None, training=True, bias=bn.bias.detach())
+    (y2 * upstream).sum().backward()
+    torch.testing.assert_close(x.grad, x2.grad)
 
 
 def test_conversion_keeps_batch_norm_in_fp32_and_the_rest_in_half():
@@ -302,6 +334,7 @@ def test_flip_tta_gives_an_image_and_its_mirror_the_same_logits():
     model.eval()
     x = torch.randn(16, 3, 32, 32)
     with torch.no_grad():
+        torch.testing.assert_close(T.flip_tta_logits(model, x), (model(x) + model(x.flip(3))) / 2)
         assert torch.equal(T.flip_tta_logits(model, x), T.flip_tta_logits(model, x.flip(3)))
         assert not torch.equal(model(x), model(x.flip(3)))        # the network itself is not symmetric
 
@@ -315,6 +348,65 @@ def test_network_shapes_and_logit_scale():
         assert features.shape == (4, 16, 4, 4)                   # three 2x2 pools: 32 -> 4
         expected = features.amax(dim=(2, 3)) @ model.head.weight.T / 16
         torch.testing.assert_close(model(x), expected)
+
+
+def conv_flops(n, c_in, c_out, size, k):
+    """A convolution's multiply-adds times 2, at output size x size."""
+    return 2 * n * c_out * size * size * c_in * k * k
+
+
+def test_flop_count_equals_a_count_by_hand():
+    n = 512
+    forward = {   # (FLOPs, how many times a training step computes them: forward, grad input, grad weight)
+        'whitening': (conv_flops(n, 3, 27, 32, 3), 1),          # data in, fixed filters: no backward
+        'prep': (conv_flops(n, 27, 64, 32, 1), 2),              # no gradient for the whitened input
+        'layer1': (conv_flops(n, 64, 128, 32, 3), 3),           # pooled after the convolution
+        'res1': (2 * conv_flops(n, 128, 128, 16, 3), 3),
+        'layer2': (conv_flops(n, 128, 256, 16, 3), 3),
+        'layer3': (conv_flops(n, 256, 512, 8, 3), 3),
+        'res3': (2 * conv_flops(n, 512, 512, 4, 3), 3),
+        'head': (2 * n * 512 * 10, 3),
+    }
+    flops = T.count_flops(T.HYP, 50000, 10000)
+    assert flops['step'] == sum(f * times for f, times in forward.values())
+    assert flops['whitening'] == 2 * 10000 * 27 * 27 * 30 * 30    # the 27 x 27 moment over 900 patches an image
+    assert flops['evaluation'] == 2 * 10000 * sum(f for f, _ in forward.values()) // n   # image and mirror
+    assert flops['steps'] == 970 and flops['run'] == 970 * flops['step'] + flops['whitening']
+    assert 1.16e12 < flops['step'] < 1.17e12
+
+
+@pytest.mark.parametrize('name, peak', [
+    ('NVIDIA H100 80GB HBM3', 989), ('NVIDIA H100 PCIe', 756), ('NVIDIA H200', 989),
+    ('NVIDIA A100-SXM4-40GB', 312), ('NVIDIA A10', 125), ('NVIDIA L4', 121), ('NVIDIA L40S', None),
+    ('Tesla V100-SXM2-16GB', 125), ('Tesla V100-PCIE-32GB', 112), ('Tesla T4', 65),
+    ('NVIDIA GeForce RTX 4090', 165), ('NVIDIA GeForce RTX 3090', 71), ('NVIDIA GeForce RTX 3080', None),
+])
+def test_peak_of_a_known_gpu_by_its_name(monkeypatch, name, peak):
+    monkeypatch.setattr(torch.cuda, 'get_device_name', lambda device: name)
+    cuda = torch.device('cuda')
+    assert T.peak_tflops(cuda, torch.float16) == peak and T.peak_tflops(cuda, torch.bfloat16) == peak
+    assert T.peak_tflops(cuda, torch.float32) is None             # the table is for fp16/bf16
+    assert T.peak_tflops(cuda, torch.float32, given=400.0) == 400.0
+
+
+def test_achieved_tflops_and_mfu_by_hand():
+    runs = [dict(failed=False, accuracy=0.94, time_s=t) for t in (2.0, 3.0)]
+    s = T.summarize(runs, flops=1e15, peak=500, world=2)
+    assert s['tflops_per_s'] == pytest.approx(400)                # 1000 TFLOP in 2.5 s
+    assert s['mfu'] == pytest.approx(0.4)                         # of 2 x 500
+    assert 'model-FLOP utilisation 40.0 %' in '\n'.join(T.summary_lines(s))
+
+
+def test_reinitialised_networks_equal_a_newly_built_network():
+    networks, hyp = small_networks({'batch_size': 64})
+    T.train_epoch(networks, torch.randn(128, 3, 32, 32), torch.randint(0, 10, (128,)), 2, 0, hyp)
+    whitening = torch.randn(27, 3, 3, 3)
+    networks.reinitialise(whitening, seed=3)
+    torch.manual_seed(3)
+    fresh = T.ResNet9(whitening, hyp).state_dict()
+    for model in (networks.net, networks.ema):
+        assert all(torch.equal(model.state_dict()[k], fresh[k]) for k in fresh)
+    assert all((v == 0).all() for g in networks.opt.groups for v in g['velocities'])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -887,6 +979,59 @@ print('cell 2 status', status)
 
 
 # ---------------------------------------------------------------------------------------------
+# Speed: compilation and channels_last change nothing but the speed
+# ---------------------------------------------------------------------------------------------
+COMPILE_WORKER = """
+import sys, torch
+sys.path.insert(0, {repo!r})
+import train_cifar10 as T
+torch.set_num_threads(2)
+data = T.load_cifar10(T.ensure_cifar10({data!r}))
+data = {{k: v[:128] if k.startswith('train') else v for k, v in data.items()}}   # 2 steps of --tiny
+hyp = {{**T.HYP, **T.TINY, 'epochs': 1}}
+cpu = torch.device('cpu')
+for name, compile, channels_last in [('eager_nchw', False, False), ('eager_cl', False, True), ('compiled', True, True)]:
+    networks = T.Networks(hyp, cpu, torch.float32, compile, channels_last)
+    rows = T.train_run(data, networks, hyp, cpu, 0, lambda row: None)
+    torch.save(dict(rows=rows, net=networks.net.state_dict(), ema=networks.ema.state_dict()), f'{out}/{{name}}.pt')
+    if compile:                                   # a second run, with another seed: nothing may recompile
+        T.train_run(data, networks, hyp, cpu, 1, lambda row: None)
+"""
+
+
+def test_compiled_and_channels_last_training_equals_eager_nchw_and_never_recompiles(dataset, tmp_path):
+    """The first steps of --tiny (loss, weights, batch-norm statistics, EMA, evaluation) give the same
+    numbers compiled by inductor, in channels_last, and eager in NCHW, to fp32 tolerance; a second
+    compiled run recompiles nothing, as torch's recompile log shows."""
+    worker = tmp_path / 'worker.py'
+    worker.write_text(COMPILE_WORKER.format(repo=str(SCRIPT.parent), data=str(dataset), out=str(tmp_path)))
+    result = subprocess.run([sys.executable, str(worker)], capture_output=True, text=True, timeout=600,
+                            env={**os.environ, 'TORCH_LOGS': 'recompiles'})
+    assert result.returncode == 0, result.stderr
+    assert 'Recompiling' not in result.stderr
+    reference = torch.load(tmp_path / 'eager_nchw.pt')
+    for name in ('eager_cl', 'compiled'):
+        other = torch.load(tmp_path / f'{name}.pt')
+        for key in ('train_loss', 'valid_loss'):
+            assert other['rows'][0][key] == pytest.approx(reference['rows'][0][key], rel=1e-4)
+        for key in ('train_acc', 'valid_acc'):                    # a near-tie may flip one image
+            assert other['rows'][0][key] == pytest.approx(reference['rows'][0][key], abs=0.01)
+        for model in ('net', 'ema'):                              # weights and batch-norm statistics
+            for k, v in reference[model].items():
+                torch.testing.assert_close(other[model][k], v, rtol=1e-4, atol=1e-5 * float(v.abs().max()) + 1e-7)
+
+
+def test_a_compile_that_cannot_compile_falls_back_to_eager_in_one_line(dataset):
+    result = subprocess.run([sys.executable, str(SCRIPT), '--tiny', '--compile', '--epochs', '1',
+                             '--data-dir', str(dataset)], capture_output=True, text=True, timeout=300,
+                            env={**os.environ, 'CXX': '/nonexistent/g++'})   # a machine without a C++ compiler
+    assert result.returncode == 0, result.stderr
+    failed = [line for line in result.stdout.splitlines() if 'torch.compile failed' in line]
+    assert len(failed) == 1 and failed[0].endswith('training eager instead') and 'C++ compiler' in failed[0]
+    assert 'Traceback' not in result.stderr and 'runs: 1 finished' in result.stdout
+
+
+# ---------------------------------------------------------------------------------------------
 # A real copy of CIFAR-10, when CIFAR10_DIR points at one
 # ---------------------------------------------------------------------------------------------
 CIFAR10_DIR = os.environ.get('CIFAR10_DIR')
@@ -1010,3 +1155,99 @@ def test_ranks_take_interleaved_shares_of_one_shuffled_order():
     whole = whole[:, 0, 0, 0].long().view(steps, batch)
     for rank in range(4):                                        # rank r: images r, r+4, ... of each batch
         assert torch.equal(shares[rank], whole[:, rank::4])
+
+
+# ---------------------------------------------------------------------------------------------
+# Benchmark, not a test: BENCHMARK=1 runs it (README: "Speed"), CI skips it
+# ---------------------------------------------------------------------------------------------
+# What David Page's cifar10-fast needs to run on today's PyTorch and NumPy, applied as his modules
+# are loaded; each must apply, or the checkout is not the one these were written for.
+PAGE_PATCHES = {
+    'core': [('isinstance(val, (float, np.float))', 'isinstance(val, float)')],
+    'torch_backend': [('dw.add_(weight_decay, w).mul_(-lr)', 'dw.add_(w, alpha=weight_decay).mul_(-lr)'),
+                      ('w.add_(dw.add_(momentum, v))', 'w.add_(dw.add_(v, alpha=momentum))'),
+                      ('.astype(np.float)', '.astype(np.float64)'),
+                      ('Λ, V = torch.symeig(Σ, eigenvectors=True)', 'Λ, V = torch.linalg.eigh(Σ)')],
+    'new_dawn': [('\nmain()', '\n')],                                 # a module to import, not a script to run
+}
+
+
+def load_page_code(folder):
+    """Page's core, torch_backend, dawn_utils and new_dawn modules from a checkout of his repository."""
+    try:
+        import pandas  # noqa: F401
+    except ImportError:                                           # only his notebook tables use it
+        sys.modules['pandas'] = types.ModuleType('pandas')
+    modules = {}
+    for name in ('core', 'torch_backend', 'dawn_utils', 'new_dawn'):
+        source = (folder / f'{name}.py').read_text()
+        for old, new in PAGE_PATCHES.get(name, []):
+            assert source.count(old) == 1, f'{name}.py: cannot apply the patch {old!r}'
+            source = source.replace(old, new)
+        module = sys.modules[name] = types.ModuleType(name)
+        exec(compile(source, str(folder / f'{name}.py'), 'exec'), module.__dict__)
+        modules[name] = module
+    return modules
+
+
+def page_step(page, device, dtype, batch_size):
+    """One step of Page's final recipe, as new_dawn.py builds and trains it: forward, loss, backward,
+    his two SGD groups, and his EMA (which fires on the first batch it sees, as ours does)."""
+    tb, nd = page['torch_backend'], page['new_dawn']
+    Λ, V = tb.eigens(tb.patches(torch.randn(1000, 3, 32, 32)))
+    model = tb.Network(page['dawn_utils'].net(weight=1 / 16, conv_bn=nd.conv_bn,
+                                              prep=partial(nd.whitening_block, Λ=Λ.to(device), V=V.to(device)))).to(device)
+    if dtype == torch.float16:
+        model = model.half()
+    is_bias = tb.group_by_key(('bias' in k, v) for k, v in tb.trainable_params(model).items())
+    schedule = {'momentum': tb.Const(0.9)}
+    opts = [tb.SGD(is_bias[False], {**schedule, 'lr': lambda step: 0.5 / batch_size, 'weight_decay': tb.Const(5e-4 * batch_size)}),
+            tb.SGD(is_bias[True], {**schedule, 'lr': lambda step: 0.5 * 64 / batch_size,
+                                   'weight_decay': tb.Const(5e-4 * batch_size / 64)})]
+    state = {tb.MODEL: model, tb.VALID_MODEL: T.copy.deepcopy(model), tb.LOSS: tb.label_smoothing_loss(0.2), tb.OPTS: opts}
+    return lambda x, y: tb.reduce([{'input': x, 'target': y}], state,
+                                  (*tb.default_train_steps, tb.update_ema(momentum=0.99, update_freq=5)))
+
+
+def our_step(device, dtype, compile, channels_last, hyp):
+    """One step of train_epoch on networks built as main builds them, with the given speed settings."""
+    networks = T.Networks(hyp, device, dtype, compile, channels_last)
+    networks.reinitialise(torch.randn(27, 3, 3, 3), seed=0)
+    layout = networks.memory_format
+    return lambda x, y: T.train_epoch(networks, x.contiguous(memory_format=layout), y, 1, 100, hyp)
+
+
+@pytest.mark.skipif(not os.environ.get('BENCHMARK'), reason='a benchmark: BENCHMARK=1 runs it')
+def test_benchmark_one_full_width_training_step():
+    """Times one training step at full width and batch 512 for each speed setting of this script,
+    and for Page's own code when PAGE_CODE names a checkout of davidcpage/cifar10-fast: in one
+    process, the settings interleaved, BENCHMARK_REPS times (default 3). The device is
+    BENCHMARK_DEVICE (default cpu); the dtype is the script's default for it."""
+    device = torch.device(os.environ.get('BENCHMARK_DEVICE', 'cpu'))
+    dtype = torch.float16 if device.type == 'cuda' else torch.float32
+    hyp = dict(T.HYP)
+    steps = {'eager, NCHW': our_step(device, dtype, False, False, hyp),
+             'eager, channels_last': our_step(device, dtype, False, True, hyp),
+             'compiled, NCHW': our_step(device, dtype, True, False, hyp),
+             'compiled, channels_last (the default)': our_step(device, dtype, True, True, hyp)}
+    if os.environ.get('PAGE_CODE'):
+        steps["Page's cifar10-fast"] = page_step(load_page_code(Path(os.environ['PAGE_CODE'])), device, dtype, 512)
+    x = torch.randn(512, 3, 32, 32, device=device, dtype=dtype)
+    y = torch.randint(0, 10, (512,), device=device)
+    for step in steps.values():                                   # warm-up: compilation, cuDNN's search
+        step(x, y)
+    times = {name: [] for name in steps}
+    for _ in range(int(os.environ.get('BENCHMARK_REPS', 3))):
+        for name, step in steps.items():
+            T.synchronize(device)
+            start = time.perf_counter()
+            step(x, y)
+            T.synchronize(device)
+            times[name].append(time.perf_counter() - start)
+    page = np.median(times["Page's cifar10-fast"]) if "Page's cifar10-fast" in times else None
+    print(f'\none training step, batch 512, {T.device_description(device)}, {dtype}, torch {torch.__version__}')
+    width = max(18, 6 * len(next(iter(times.values()))))
+    print(f"{'setting':40} {'median s':>9}  {'each repetition, s':{width}} {'Page / this':>12}")
+    for name, t in times.items():
+        ratio = f'{page / np.median(t):12.2f}' if page else ''
+        print(f"{name:40} {np.median(t):9.2f}  {' '.join(f'{s:5.2f}' for s in t):{width}} {ratio}")

@@ -12,12 +12,13 @@ on a piecewise-linear schedule, an exponential moving average (EMA) of the weigh
 left-right flip test-time augmentation (TTA). Data loading, preprocessing and augmentation run on
 the training device over whole batches, so the GPU never waits for a Python loop.
 
-Read top to bottom: hyperparameters, data, augmentation, network, training, evaluation,
+Read top to bottom: hyperparameters, data, augmentation, network, training, evaluation, one run,
 reporting, main. Depends on torch and numpy only.
 
-Evidence, as measured (README.md has the table): no GPU has timed this version yet. On a 2-core
-x86_64 CPU with torch 2.13.0+cpu (2026-11-21), --tiny on the JPEG-derived CIFAR-10 stand-in
-finishes in 15-17 s of wall time (3 runs).
+Evidence, as measured (README.md has the tables): no GPU has timed this version yet. On a 2-core
+x86_64 CPU with torch 2.13.0+cpu (2026-11-22), --tiny on the JPEG-derived CIFAR-10 stand-in
+finishes in 12 s of wall time (3 runs), and a full-width training step takes 6.3 s compiled in
+channels_last, against 8.7 s for Page's own code doing the same step (5 interleaved repetitions).
 """
 import argparse
 import codecs
@@ -410,7 +411,8 @@ class GhostBatchNorm(nn.BatchNorm2d):
             return super().forward(x)
         n, c, h, w = x.shape
         splits = n // self.split_size
-        xs = x.view(-1, splits, c, h, w).float()  # xs[:, k] is split k
+        xs = x.view(-1, splits, c, h, w)  # xs[:, k] is split k
+        xs = xs.to(torch.promote_types(x.dtype, torch.float32))  # statistics in fp32 (or wider)
         var, mean = torch.var_mean(xs, dim=(0, 3, 4), correction=0, keepdim=True)
         scale = torch.rsqrt(var + self.eps) * self.weight.view(1, 1, c, 1, 1)
         y = (xs - mean) * scale + self.bias.view(1, 1, c, 1, 1)
@@ -1179,9 +1181,9 @@ def prepare_data(args, hyp, local_rank, world):
 
 def speed_settings(args, device):
     """(compile, channels_last) for this device. Compiling wins on CUDA (what airbench ships) and
-    on a CPU (a step 1.3 times as fast here), but costs a minute on a CPU, more than all of
-    --tiny; MPS's compiler is experimental. channels_last is what tensor cores and the CPU's
-    convolutions are fastest in."""
+    on a CPU (a full-width step 1.5 times as fast, README: Speed), but takes about a minute on a
+    CPU, longer than all of --tiny; MPS's compiler is experimental. channels_last is the layout
+    tensor cores and the CPU's convolutions are fastest in."""
     compile = device.type == 'cuda' or (device.type == 'cpu' and not args.tiny)
     return (compile if args.compile is None else args.compile), device.type != 'mps'
 
