@@ -1101,6 +1101,8 @@ networks = T.Networks(hyp, cpu, torch.float32, compile=False, channels_last=True
 rows = T.train_run(short, networks, hyp, cpu, 0, lambda row: None)
 torch.save(networks.ema.state_dict(), f'{{out}}/short_{{world}}_{{rank}}.pt')
 (open(f'{{out}}/rows_{{world}}_{{rank}}.json', 'w')).write(json.dumps(rows))
+if world > 1:
+    dist.destroy_process_group()  # gloo's threads must stop before the interpreter does
 """
 
 
