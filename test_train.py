@@ -1031,6 +1031,20 @@ def test_a_compile_that_cannot_compile_falls_back_to_eager_in_one_line(dataset):
     assert 'Traceback' not in result.stderr and 'runs: 1 finished' in result.stdout
 
 
+def test_a_damaged_compile_cache_is_named_in_the_fallback_line(dataset, monkeypatch, capsys):
+    """Ctrl-C during a compilation can leave a truncated library in torch's cache, which the next
+    compilation fails to load: the one line names the folder to delete."""
+    cache, real = T.inductor_cache(), T.warm_up
+
+    def warm_up(data, networks, *args):
+        if networks.summed_loss is not T.summed_loss:             # compiled
+            raise ImportError(f'{cache}/uf/cufdeo2.main.so: file too short')
+        return real(data, networks, *args)
+    monkeypatch.setattr(T, 'warm_up', warm_up)
+    assert T.main(['--tiny', '--compile', '--epochs', '1', '--data-dir', str(dataset)]) == 0
+    assert f'training eager instead; {cache} may hold a file of an interrupted compilation' in capsys.readouterr().out
+
+
 # ---------------------------------------------------------------------------------------------
 # A real copy of CIFAR-10, when CIFAR10_DIR points at one
 # ---------------------------------------------------------------------------------------------

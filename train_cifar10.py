@@ -1200,7 +1200,10 @@ def compiled_warm_up(data, hyp, device, dtype, compile, channels_last, on_step, 
         if not compile:
             raise
         reason = f'{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ""}'[:200]
-        log(f'torch.compile failed ({reason}): training eager instead')
+        cache = inductor_cache()
+        hint = (f'; {cache} may hold a file of an interrupted compilation: delete it to compile again'
+                if cache and cache in str(e) else '')
+        log(f'torch.compile failed ({reason}): training eager instead{hint}')
         return compiled_warm_up(data, hyp, device, dtype, False, channels_last, on_step, log)
     if compile:
         with_compilation = time.perf_counter() - start
@@ -1209,6 +1212,15 @@ def compiled_warm_up(data, hyp, device, dtype, compile, channels_last, on_step, 
         log(f'torch.compile: {with_compilation - (time.perf_counter() - start):.1f} s, '
             'in the warm-up, outside every run\'s time')
     return networks, compile
+
+
+def inductor_cache():
+    """The folder where torch.compile keeps what it built, or None if this torch does not say."""
+    try:
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+        return cache_dir()
+    except (ImportError, AttributeError):
+        return None
 
 
 def summary_so_far(runs, args, device, flops=None, peak=None, world=1):
