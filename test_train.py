@@ -776,7 +776,7 @@ def test_a_dtype_the_device_cannot_run_is_refused(monkeypatch):
         raise RuntimeError('"slow_conv2d_cpu" not implemented for \'Half\'')
     monkeypatch.setattr(T.F, 'conv2d', unsupported)
     with pytest.raises(T.UserError, match='--dtype fp16 does not run on cpu'):
-        T.pick_dtype('fp16', torch.device('cpu'))
+        T.pick_dtype('fp16', torch.device('cpu'), True)
 
 
 def test_bf16_is_asked_of_the_chosen_gpu_and_refused_where_only_emulated(monkeypatch):
@@ -785,10 +785,10 @@ def test_bf16_is_asked_of_the_chosen_gpu_and_refused_where_only_emulated(monkeyp
     monkeypatch.setattr(torch.cuda, 'get_device_capability', lambda d: asked.append(d) or capability[d.index])
     monkeypatch.setattr(torch.cuda, 'get_device_name', lambda d: 'Tesla T4')
     monkeypatch.setattr(torch.version, 'hip', None)
-    monkeypatch.setattr(T, 'probe_run', lambda device, dtype: probed.append((device, dtype)))
+    monkeypatch.setattr(T, 'probe_run', lambda device, dtype, channels_last: probed.append((device, dtype)))
     with pytest.raises(T.UserError, match='Tesla T4 has no native bf16'):
-        T.pick_dtype('bf16', torch.device('cuda', 1))
-    assert T.pick_dtype('bf16', torch.device('cuda', 2)) == torch.bfloat16
+        T.pick_dtype('bf16', torch.device('cuda', 1), True)
+    assert T.pick_dtype('bf16', torch.device('cuda', 2), True) == torch.bfloat16
     assert asked == [torch.device('cuda', 1), torch.device('cuda', 2)]
     assert probed == [(torch.device('cuda', 2), torch.bfloat16)]  # the probe runs what a run runs
 

@@ -507,17 +507,18 @@ class Nesterov:
         for group in groups:
             params = list(group['params'])
             masters = [p.detach().float() if p.dtype == torch.bfloat16 else p.detach() for p in params]
+            bf16 = [i for i, p in enumerate(params) if p.dtype == torch.bfloat16]
             self.groups.append(dict(group, params=params, masters=masters,
                                     velocities=[torch.zeros_like(w) for w in masters],
-                                    copies=[(p, w) for p, w in zip(params, masters) if p.dtype != w.dtype]))
+                                    bf16_params=[params[i] for i in bf16], bf16_masters=[masters[i] for i in bf16]))
 
     @torch.no_grad()
     def reset(self):
         """A new run: zero momentum, and master copies of the re-initialised weights."""
         for g in self.groups:
             torch._foreach_zero_(g['velocities'])
-            for p, w in g['copies']:
-                w.copy_(p)
+            if g['bf16_params']:
+                torch._foreach_copy_(g['bf16_masters'], g['bf16_params'])
 
     @torch.no_grad()
     def step(self, lr):
@@ -531,8 +532,8 @@ class Nesterov:
             torch._foreach_add_(g['velocities'], dw)
             torch._foreach_add_(dw, g['velocities'], alpha=m)
             torch._foreach_add_(g['masters'], dw)
-            if g['copies']:
-                torch._foreach_copy_(*map(list, zip(*g['copies'])))
+            if g['bf16_params']:
+                torch._foreach_copy_(g['bf16_params'], g['bf16_masters'])
 
     def zero_grad(self):
         for g in self.groups:
@@ -682,6 +683,7 @@ class Networks:
 
     def __init__(self, hyp, device, dtype, compile, channels_last):
         _, world = rank_and_world()
+        self.dtype = dtype
         self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
         self.initial = ResNet9(torch.zeros(27, 3, 3, 3), hyp)  # on the CPU: draws each run's weights
         self.net = to_training_precision(copy.deepcopy(self.initial), dtype).to(device, memory_format=self.memory_format)
@@ -720,11 +722,10 @@ def train_run(data, networks, hyp, device, seed, on_epoch, on_step=lambda epoch,
     test set; the counts are summed.
     """
     rank, world = rank_and_world()
-    dtype = networks.net.whitening.dtype
     generator = torch.Generator().manual_seed(seed)
     synchronize(device)
     start = time.perf_counter()
-    train = normalise(data['train_images'], device, dtype)
+    train = normalise(data['train_images'], device, networks.dtype)
     train_labels = torch.from_numpy(data['train_labels']).to(device)
     # the EMA model is kept and evaluated in fp32, so its test images are fp32 too
     test = normalise(data['test_images'][rank::world], device, torch.float32)  # this rank's share
@@ -771,14 +772,18 @@ def train_run(data, networks, hyp, device, seed, on_epoch, on_step=lambda epoch,
 def warm_up(data, networks, hyp, device, on_step):
     """A short throwaway run before the first clock starts, so that one-off costs (compilation,
     the CUDA context, cuDNN's algorithm search for each shape, lazy allocations) are not charged
-    to run 1. It uses the runs' batch shapes, so the compiled functions are the runs' own."""
+    to run 1. It uses the runs' batch shapes, so the compiled functions are the runs' own: each
+    rank's last evaluation batch is as short as in a run, since the test images beyond whole
+    rounds of eval_batch_size per rank are the same in number."""
+    _, world = rank_and_world()
     b, e = hyp['batch_size'], hyp['eval_batch_size']
+    n_test = e * world + len(data['test_images']) % (e * world)
     subset = dict(train_images=data['train_images'][:2 * b], train_labels=data['train_labels'][:2 * b],
-                  test_images=data['test_images'][:e], test_labels=data['test_labels'][:e])
+                  test_images=data['test_images'][:n_test], test_labels=data['test_labels'][:n_test])
     train_run(subset, networks, {**hyp, 'epochs': 1}, device, seed=0, on_epoch=lambda row: None, on_step=on_step)
 
 
-def probe_run(device, dtype):
+def probe_run(device, dtype, channels_last):
     """Two steps of a narrow network on random images: every operation of a run (whitening,
     augmentation, forward, backward, optimiser, EMA, evaluation), in seconds, before any data is
     downloaded. A device or dtype that cannot run one of them raises here."""
@@ -789,7 +794,7 @@ def probe_run(device, dtype):
                 test_labels=rng.integers(0, NUM_CLASSES, n))
     hyp = {**HYP, 'channels': (8, 8, 8, 8), 'epochs': 1, 'batch_size': n // 2, 'eval_batch_size': n // 2,
            'whitening_images': n, 'cutout': 8}
-    networks = Networks(hyp, device, dtype, compile=False, channels_last=device.type != 'mps')
+    networks = Networks(hyp, device, dtype, compile=False, channels_last=channels_last)
     train_run(data, networks, hyp, device, seed=0, on_epoch=lambda row: None)
 
 
@@ -1114,8 +1119,8 @@ def native_bf16(device):
     return bool(torch.version.hip) or torch.cuda.get_device_capability(device)[0] >= 8
 
 
-def pick_dtype(name, device):
-    """The training dtype; a short probe run must succeed with it on this device."""
+def pick_dtype(name, device, channels_last):
+    """The training dtype; a short probe run must succeed with it on this device and layout."""
     if name == 'auto':
         name = 'fp16' if device.type == 'cuda' else 'fp32'
     dtype = dict(fp16=torch.float16, bf16=torch.bfloat16, fp32=torch.float32)[name]
@@ -1123,7 +1128,7 @@ def pick_dtype(name, device):
         raise UserError(f'--dtype bf16: {torch.cuda.get_device_name(device)} has no native bf16 (torch would '
                         'emulate it, slowly; it needs compute capability 8.0 or later); use fp16')
     try:
-        probe_run(device, dtype)
+        probe_run(device, dtype, channels_last)
     except (RuntimeError, TypeError, NotImplementedError) as e:
         raise UserError(f'--dtype {name} does not run on {device.type} ({str(e).splitlines()[0]}); '
                         'choose another --dtype or --device') from None
@@ -1253,7 +1258,8 @@ def main(argv=None):
         try:
             check_options(args, hyp, world)
             device = pick_device(args.device, local_rank if world > 1 else None)
-            dtype = pick_dtype(args.dtype, device)
+            compile, channels_last = speed_settings(args, device)
+            dtype = pick_dtype(args.dtype, device, channels_last)
             if world > 1:
                 if device.type == 'cuda':
                     torch.cuda.set_device(device)
@@ -1274,7 +1280,6 @@ def main(argv=None):
             f"{len(data['train_images'])} train / {len(data['test_images'])} test images")
         log('hyperparameters: ' + ', '.join(f'{k}={v}' for k, v in hyp.items()))
         log(f"data: {data['provenance']}")
-        compile, channels_last = speed_settings(args, device)
         flops = count_flops(hyp, len(data['train_images']), len(data['test_images']))
         peak = peak_tflops(device, dtype, args.peak_tflops)
         log(f"model FLOPs: {flops['step'] / 1e12:.4g} TFLOP a training step x {flops['steps']} steps + "
