@@ -681,6 +681,14 @@ def test_corrupt_archive_is_refused_and_nothing_is_extracted(tmp_path):
                          T.file_md5(tmp_path / 'garbage.tar.gz'))
 
 
+def test_a_python_without_tarfiles_data_filter_is_told_to_upgrade(tmp_path, monkeypatch):
+    archive, md5 = make_archive(tmp_path)
+    (tmp_path / 'a.tar.gz').write_bytes(archive)
+    monkeypatch.delattr(T.tarfile, 'data_filter')                 # Python 3.10.11 and older
+    with pytest.raises(T.UserError, match='use Python 3.10.12, 3.11.4, 3.12 or later'):
+        T.ensure_cifar10(tmp_path / 'data', (tmp_path / 'a.tar.gz').as_uri(), md5)
+
+
 def test_no_network_gives_one_clear_error_and_leaves_nothing(tmp_path, server):
     url, _, _, _ = server
     with pytest.raises(T.UserError, match='cannot download .*404'):

@@ -165,6 +165,9 @@ def download(url, archive, md5):
 
 def extract(archive, data_dir):
     """Extract the archive's cifar-10-batches-py/ into data_dir, whole or not at all."""
+    if not hasattr(tarfile, 'data_filter'):
+        raise UserError(f'this Python {platform.python_version()} cannot extract archives safely (tarfile has no '
+                        'data filter): use Python 3.10.12, 3.11.4, 3.12 or later')
     staging = tempfile.mkdtemp(dir=data_dir, prefix='.extract-')
     try:
         with tarfile.open(archive, 'r:gz') as tar:
