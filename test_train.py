@@ -853,6 +853,20 @@ def test_tiny_run_learns_prints_the_table_and_writes_its_files(dataset, tmp_path
     assert np.mean([p == T.CLASSES[y] for p, y in zip(predicted, labels)]) == pytest.approx(last['valid_acc'])
 
 
+def test_progress_line_by_hand(monkeypatch, capsys):
+    clock = iter([100.0, 100.5, 102.0, 102.5, 104.0])            # the ends of steps 1, 2, 3, 4 and 10
+    monkeypatch.setattr(T.time, 'perf_counter', lambda: next(clock))
+    progress = T.Progress(enabled=True)
+    for step in (1, 2, 3, 4, 10):
+        progress.step('run 1/1, epoch 1/10', step, 10, 64)
+    progress.clear()
+    shown = capsys.readouterr().err.split('\r\033[K')
+    # steps 2 and 4 came 0.5 s after a shown line: not shown (once a second); step 3: 2 steps of 64 in 2 s
+    assert shown[1:] == ['run 1/1, epoch 1/10: step 1/10', 'run 1/1, epoch 1/10: step 3/10, 64 images/s, 7 s left in the epoch',
+                         'run 1/1, epoch 1/10: step 10/10, evaluating', '']
+    assert T.Progress(enabled=False).step('x', 1, 10, 64) is None and capsys.readouterr().err == ''
+
+
 def test_seeds_make_runs_repeatable_and_different(dataset, tmp_path):
     def valid_losses(seed):
         T.main(['--tiny', '--data-dir', str(dataset), '--epochs', '1', '--seed', str(seed),
