@@ -836,6 +836,23 @@ def t_quantile(p, df):
     return (low + high) / 2
 
 
+def header_lines(hyp, data, device, dtype, seed, flops, peak, world):
+    """What a log must say before its first row: the script's version, the software and device,
+    the settings, the data's provenance, and the model FLOPs of a run."""
+    ranks = f" | {world} ranks ({dist.get_backend()}), {hyp['batch_size'] // world} images each per step" if world > 1 else ''
+    peak = (f' | peak {peak:g} TFLOP/s' + (f' x {world}' if world > 1 else '')) if peak else ''
+    return [f'train_cifar10.py {script_hash()} | torch {torch.__version__} | {device_description(device)}{ranks}',
+            f"dtype {str(dtype).replace('torch.', '')} (batch norm fp32, EMA fp32) | seed {seed} | "
+            f"{len(data['train_images'])} train / {len(data['test_images'])} test images",
+            'hyperparameters: ' + ', '.join(f'{k}={v}' for k, v in hyp.items()),
+            f"data: {data['provenance']}",
+            f"model FLOPs: {flops['step'] / 1e12:.4g} TFLOP a training step x {flops['steps']} steps + "
+            f"{flops['whitening'] / 1e12:.4g} whitening = {flops['run'] / 1e12:.4g} TFLOP a run (timed); "
+            f"{flops['evaluation'] / 1e12:.4g} TFLOP an evaluation (not timed){peak}",
+            'valid = flip-TTA accuracy of the EMA model; total time = preprocessing + training '
+            '(DAWNBench rule: validation excluded, after a warm-up)']
+
+
 def summarize(runs, gpu_price=None, count_94=True, flops=None, peak=None, world=1):
     """Statistics over the finished runs; failed (diverged) runs are counted, not averaged.
     count_94: count the runs that reached the recipe's 94 % (meaningless for --tiny). flops: the
@@ -1275,22 +1292,9 @@ def main(argv=None):
         if device.type == 'cuda':
             torch.backends.cudnn.benchmark = True  # fixed shapes: let cuDNN pick the fastest kernels
 
-        ranks = ''
-        if world > 1:
-            ranks = f" | {world} ranks ({dist.get_backend()}), {hyp['batch_size'] // world} images each per step"
-        log(f'train_cifar10.py {script_hash()} | torch {torch.__version__} | {device_description(device)}{ranks}')
-        log(f"dtype {str(dtype).replace('torch.', '')} (batch norm fp32, EMA fp32) | seed {args.seed} | "
-            f"{len(data['train_images'])} train / {len(data['test_images'])} test images")
-        log('hyperparameters: ' + ', '.join(f'{k}={v}' for k, v in hyp.items()))
-        log(f"data: {data['provenance']}")
         flops = count_flops(hyp, len(data['train_images']), len(data['test_images']))
         peak = peak_tflops(device, dtype, args.peak_tflops)
-        log(f"model FLOPs: {flops['step'] / 1e12:.4g} TFLOP a training step x {flops['steps']} steps + "
-            f"{flops['whitening'] / 1e12:.4g} whitening = {flops['run'] / 1e12:.4g} TFLOP a run (timed); "
-            f"{flops['evaluation'] / 1e12:.4g} TFLOP an evaluation (not timed)"
-            + (f' | peak {peak:g} TFLOP/s' + (f' x {world}' if world > 1 else '') if peak else ''))
-        log("valid = flip-TTA accuracy of the EMA model; total time = preprocessing + training "
-            "(DAWNBench rule: validation excluded, after a warm-up)")
+        log('\n'.join(header_lines(hyp, data, device, dtype, args.seed, flops, peak, world)))
         context = dict(script_sha256=script_hash(), torch=torch.__version__, device=device_description(device),
                        ranks=world, dtype=str(dtype), hyperparameters=hyp, data=data['provenance'],
                        channels_last=channels_last, flops=flops, peak_tflops=peak)
@@ -1326,8 +1330,8 @@ def main(argv=None):
                 write_results(args, context, runs, summary_so_far(runs, args, device, flops['run'], peak, world),
                               None if failed else networks.ema, hyp)
     except KeyboardInterrupt:
-        progress_line = '\r\033[K' if sys.stderr.isatty() else ''
-        print(progress_line, end='', file=sys.stderr)
+        if sys.stderr.isatty():
+            print('\r\033[K', end='', file=sys.stderr)  # wipe a progress line
         log(f'\ninterrupted: summary of the {len(runs)} finished run(s)' if runs else '\ninterrupted')
     finally:
         if dist.is_initialized():
