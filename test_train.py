@@ -199,6 +199,22 @@ def test_crop_is_the_window_at_its_offsets():
         assert torch.equal(crop, image[:, y:y + 32, x:x + 32])
 
 
+def test_crop_slices_and_never_gathers_with_expanded_indices():
+    padded = torch.rand(40, 3, 40, 40)
+    top, left = torch.randint(0, 9, (2, 40))
+    with OpLog() as log:
+        T.crop(padded, top, left, 32)
+    assert not {'aten.gather', 'aten.expand'} & set(log.ops)
+
+
+@pytest.mark.parametrize('name', ['crop', 'flip', 'cutout'])
+def test_a_device_that_computes_an_augmentation_wrongly_is_refused(monkeypatch, name):
+    real = getattr(T, name)
+    monkeypatch.setattr(T, name, lambda images, *args: real(images, *args).roll(1, dims=0))   # image i gets i-1's
+    with pytest.raises(T.UserError, match=f'cpu computes the augmentation "{name}" wrongly'):
+        T.pick_dtype('fp32', torch.device('cpu'), True)
+
+
 def test_flip_mirrors_exactly_the_chosen_images():
     images = torch.rand(40, 3, 32, 32)
     which = torch.arange(40) % 3 == 0
@@ -323,9 +339,48 @@ def test_conversion_keeps_batch_norm_in_fp32_and_the_rest_in_half():
             assert {t.dtype for t in (module.weight, module.bias, module.running_mean, module.running_var)} == {torch.float32}
         elif isinstance(module, (torch.nn.Conv2d, torch.nn.Linear)):
             assert module.weight.dtype == torch.float16
-    assert model.whitening.dtype == torch.float16
+    assert model.prep[0].whitening.dtype == torch.float16
     out = model(torch.randn(64, 3, 32, 32, dtype=torch.float16))
     assert out.dtype == torch.float16 and out.shape == (64, 10)
+
+
+def test_whitened_prep_is_the_whitening_conv_then_the_1x1_conv_forward_and_backward():
+    """The folded 3x3 conv equals the fixed whitening conv followed by the 1x1 prep conv, in
+    float64 to 1e-12, and so does the prep weights' gradient (the data gets none)."""
+    g = torch.Generator().manual_seed(0)
+    whitening = torch.randn(27, 3, 3, 3, generator=g, dtype=torch.float64)
+    prep = T.WhitenedPrep(whitening, 16).double()
+    x, upstream = torch.randn(8, 3, 12, 12, generator=g, dtype=torch.float64), torch.randn(8, 16, 12, 12, generator=g, dtype=torch.float64)
+    (prep(x) * upstream).sum().backward()
+    weight = prep.weight.detach().clone().requires_grad_(True)
+    two_convs = F.conv2d(F.conv2d(x, whitening, padding=1), weight)
+    (two_convs * upstream).sum().backward()
+    torch.testing.assert_close(prep(x), two_convs, rtol=1e-12, atol=1e-12)     # gradients are ~300: relative
+    torch.testing.assert_close(prep.weight.grad, weight.grad, rtol=1e-12, atol=1e-12)
+    assert [name for name, _ in prep.named_parameters()] == ['weight']   # the whitening is a buffer
+
+
+def test_eager_ghost_batch_norm_in_nchw_is_one_batch_norm_with_the_numbers_of_the_view_path():
+    """Eager NCHW takes Page's splits-as-channels batch norm (one fused kernel); channels_last, and
+    compiled code, the var_mean path. Outputs, running statistics and gradients agree in fp32."""
+    torch.manual_seed(0)
+    x = torch.randn(128, 8, 6, 6) * 2 + 0.5
+    upstream = torch.randn(128, 8, 6, 6)
+    results = {}
+    for layout in (torch.contiguous_format, torch.channels_last):
+        bn = T.GhostBatchNorm(8, split_size=32)
+        with torch.no_grad():
+            bn.bias.copy_(torch.linspace(-1, 1, 8))
+        xl = x.clone().contiguous(memory_format=layout).requires_grad_(True)
+        with OpLog() as log:
+            y = bn(xl)
+        (y * upstream).sum().backward()
+        results[layout] = (y, bn.running_mean, bn.running_var, xl.grad, bn.bias.grad, log.ops)
+    fused, view = results[torch.contiguous_format], results[torch.channels_last]
+    for a, b in zip(fused[:5], view[:5]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    assert 'aten.var_mean' not in fused[5] and sum('batch_norm' in op for op in fused[5]) == 1
+    assert 'aten.var_mean' in view[5]
 
 
 def test_flip_tta_gives_an_image_and_its_mirror_the_same_logits():
@@ -344,7 +399,8 @@ def test_network_shapes_and_logit_scale():
     model.eval()
     x = torch.randn(4, 3, 32, 32)
     with torch.no_grad():
-        features = model.layer3(model.layer2(model.layer1(model.prep(F.conv2d(x, model.whitening, padding=1)))))
+        whitened = F.conv2d(F.conv2d(x, model.prep[0].whitening, padding=1), model.prep[0].weight)   # the two convs
+        features = model.layer3(model.layer2(model.layer1(model.prep[2](model.prep[1](whitened)))))
         assert features.shape == (4, 16, 4, 4)                   # three 2x2 pools: 32 -> 4
         expected = features.amax(dim=(2, 3)) @ model.head.weight.T / 16
         torch.testing.assert_close(model(x), expected)
@@ -358,8 +414,8 @@ def conv_flops(n, c_in, c_out, size, k):
 def test_flop_count_equals_a_count_by_hand():
     n = 512
     forward = {   # (FLOPs, how many times a training step computes them: forward, grad input, grad weight)
-        'whitening': (conv_flops(n, 3, 27, 32, 3), 1),          # data in, fixed filters: no backward
-        'prep': (conv_flops(n, 27, 64, 32, 1), 2),              # no gradient for the whitened input
+        'prep filters': (2 * 64 * 27 * 27, 2),                  # 1x1 weights x whitening: forward, grad weight
+        'prep': (conv_flops(n, 3, 64, 32, 3), 2),               # the folded conv; no gradient for the data
         'layer1': (conv_flops(n, 64, 128, 32, 3), 3),           # pooled after the convolution
         'res1': (2 * conv_flops(n, 128, 128, 16, 3), 3),
         'layer2': (conv_flops(n, 128, 256, 16, 3), 3),
@@ -370,16 +426,20 @@ def test_flop_count_equals_a_count_by_hand():
     flops = T.count_flops(T.HYP, 50000, 10000)
     assert flops['step'] == sum(f * times for f, times in forward.values())
     assert flops['whitening'] == 2 * 10000 * 27 * 27 * 30 * 30    # the 27 x 27 moment over 900 patches an image
-    assert flops['evaluation'] == 2 * 10000 * sum(f for f, _ in forward.values()) // n   # image and mirror
+    per_image = sum(f for name, (f, _) in forward.items() if name != 'prep filters') // n
+    assert flops['evaluation'] == 2 * 10000 * per_image + 2 * 64 * 27 * 27      # image and mirror; filters once
     assert flops['steps'] == 970 and flops['run'] == 970 * flops['step'] + flops['whitening']
     assert 1.16e12 < flops['step'] < 1.17e12
 
 
-@pytest.mark.parametrize('name, peak', [
-    ('NVIDIA H100 80GB HBM3', 989), ('NVIDIA H100 PCIe', 756), ('NVIDIA H200', 989),
-    ('NVIDIA A100-SXM4-40GB', 312), ('NVIDIA A10', 125), ('NVIDIA L4', 121), ('NVIDIA L40S', None),
-    ('Tesla V100-SXM2-16GB', 125), ('Tesla V100-PCIE-32GB', 112), ('Tesla T4', 65),
-    ('NVIDIA GeForce RTX 4090', 165), ('NVIDIA GeForce RTX 3090', 71), ('NVIDIA GeForce RTX 3080', None),
+@pytest.mark.parametrize('name, peak', [   # each name as torch.cuda.get_device_name prints it
+    ('NVIDIA H100 80GB HBM3', 989), ('NVIDIA H100 PCIe', 756), ('NVIDIA H100 NVL', 835),
+    ('NVIDIA H200', 989), ('NVIDIA H200 NVL', 835), ('NVIDIA GH200 480GB', 989),
+    ('NVIDIA A100-SXM4-40GB', 312), ('NVIDIA A100 80GB PCIe', 312), ('NVIDIA A10', 125), ('NVIDIA A10G', 70),
+    ('NVIDIA L4', 121), ('NVIDIA L40S', 362), ('NVIDIA L40', None),
+    ('Tesla V100-SXM2-16GB', 125), ('Tesla V100-PCIE-32GB', 112), ('Tesla V100S-PCIE-32GB', 130), ('Tesla T4', 65),
+    ('NVIDIA GeForce RTX 4090', 165), ('NVIDIA GeForce RTX 3090', 71), ('NVIDIA GeForce RTX 3090 Ti', 80),
+    ('NVIDIA GeForce RTX 3080', None),
 ])
 def test_peak_of_a_known_gpu_by_its_name(monkeypatch, name, peak):
     monkeypatch.setattr(torch.cuda, 'get_device_name', lambda device: name)
@@ -444,6 +504,72 @@ def test_ema_updates_after_batches_0_5_10_of_every_epoch():
     assert fired == [1, 6, 8, 13]                                 # batches 0 and 5 of each 7-step epoch
     ema = networks.ema.head.weight
     assert torch.equal(ema, after_step[12]) and not torch.equal(ema, after_step[13])
+
+
+class SyncLog(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the host syncs: .item(), bool(tensor) and .tolist() all call aten._local_scalar_dense."""
+
+    def __init__(self):
+        super().__init__()
+        self.syncs = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.syncs += func is torch.ops.aten._local_scalar_dense.default
+        return func(*args, **(kwargs or {}))
+
+
+def test_no_host_sync_in_an_epoch_the_optimiser_or_the_ema():
+    networks, hyp = small_networks({'batch_size': 32})
+    images, labels = torch.randn(6 * 32, 3, 32, 32), torch.randint(0, 10, (6 * 32,))
+    with SyncLog() as log:
+        torch.zeros(2).sum().item()                               # the log sees a sync ...
+    assert log.syncs == 1
+    with SyncLog() as log:                                        # ... and none in a whole epoch
+        T.train_epoch(networks, images, labels, 6, 0, hyp)
+        networks.opt.step(0.5)
+        T.ema_update(*networks.averaged, 0.9)
+    assert log.syncs == 0
+
+
+def test_gradients_are_freed_before_each_forward():
+    """Step t's gradients must not be alive while step t+1's forward allocates its activations."""
+    networks, hyp = small_networks({'batch_size': 32})
+    alive = []
+    networks.net.register_forward_pre_hook(
+        lambda module, args: alive.append(any(p.grad is not None for p in module.parameters())))
+    T.train_epoch(networks, torch.randn(3 * 32, 3, 32, 32), torch.randint(0, 10, (3 * 32,)), 3, 0, hyp)
+    assert alive == [False, False, False]
+    assert all(p.grad is not None for p in networks.net.parameters() if p.requires_grad)   # the last step's
+
+
+class ShapeLog(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the (shape, dtype) of every tensor an operation returns."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in (out if isinstance(out, (tuple, list)) else [out]):
+            if isinstance(t, torch.Tensor):
+                self.shapes.add((tuple(t.shape), t.dtype))
+        return out
+
+
+def test_warm_up_makes_every_tensor_shape_of_a_run(dataset):
+    """So that run 1 meets no allocation, no compiled shape and no cuDNN search the warm-up did
+    not: every tensor a run makes (whitening patches, augmentation buffers, batches, evaluation
+    batches) has its shape made in the warm-up too."""
+    data = T.load_cifar10(T.ensure_cifar10(dataset))
+    hyp = {**T.HYP, **T.TINY, 'epochs': 2, 'batch_size': 128, 'eval_batch_size': 64}   # 200 test images: 64 x 3 + 8
+    networks = T.Networks(hyp, torch.device('cpu'), torch.float32, compile=False, channels_last=False)
+    with ShapeLog() as warm:
+        T.warm_up(data, networks, hyp, torch.device('cpu'), lambda *args: None)
+    with ShapeLog() as run:
+        T.train_run(data, networks, hyp, torch.device('cpu'), 0, lambda row: None)
+    assert run.shapes <= warm.shapes, sorted(run.shapes - warm.shapes)
+    assert ((1000, 3, 40, 40), torch.float32) in warm.shapes and ((8, 3, 32, 32), torch.float32) in warm.shapes
 
 
 def test_optimiser_groups_lr_and_weight_decay():
@@ -779,6 +905,40 @@ def test_unwritable_data_dir_is_refused(tmp_path, capsys):
     assert 'cannot write to --data-dir' in capsys.readouterr().err
 
 
+@pytest.mark.parametrize('device', ['cpu', 'cuda', 'mps'])
+@pytest.mark.parametrize('tiny', [False, True])
+@pytest.mark.parametrize('option', [None, True, False])
+def test_speed_settings_for_each_device_size_and_option(device, tiny, option):
+    """Compile by default on cuda and cpu, never for --tiny (compiling takes longer than all of it)
+    nor on mps (experimental); --compile / --no-compile win. channels_last everywhere but mps."""
+    args = T.parse_args(['--tiny'] * tiny + {None: [], True: ['--compile'], False: ['--no-compile']}[option])
+    compile, channels_last = T.speed_settings(args, torch.device(device))
+    assert compile == (option if option is not None else device in ('cuda', 'cpu') and not tiny)
+    assert channels_last == (device != 'mps')
+
+
+@pytest.mark.parametrize('device, dtype, tf32', [('cuda', torch.float16, True), ('cuda', torch.bfloat16, True),
+                                                 ('cuda', torch.float32, False), ('cpu', torch.float32, None)])
+def test_fp32_precision_is_chosen_and_said(monkeypatch, device, dtype, tf32):
+    """fp16/bf16 training: the fp32 evaluation may use TF32 (convolutions and matmuls alike);
+    --dtype fp32: no TF32 anywhere; a CPU: nothing to choose."""
+    monkeypatch.setattr(torch.backends.cudnn, 'allow_tf32', not tf32)   # restored after the test
+    precision = torch.get_float32_matmul_precision()
+    try:
+        said = T.fp32_matmul_precision(torch.device(device), dtype)
+        if tf32 is None:
+            assert said is None and torch.get_float32_matmul_precision() == precision
+        else:
+            assert torch.backends.cudnn.allow_tf32 == tf32
+            assert torch.get_float32_matmul_precision() == ('high' if tf32 else 'highest')
+            assert said == ('fp32 convolutions and matmuls in TF32' if tf32 else 'TF32 off')
+            header = T.header_lines(T.HYP, dict(train_images=[0], test_images=[0], provenance='x'),
+                                    torch.device('cpu'), dtype, 0, T.count_flops(T.TINY | T.HYP, 50000, 10000), None, 1, said)
+            assert f'EMA fp32; {said})' in header[1]
+    finally:
+        torch.set_float32_matmul_precision(precision)
+
+
 def test_a_dtype_the_device_cannot_run_is_refused(monkeypatch):
     def unsupported(*args, **kwargs):
         raise RuntimeError('"slow_conv2d_cpu" not implemented for \'Half\'')
@@ -1013,7 +1173,8 @@ data = {{k: v[:128] if k.startswith('train') else v for k, v in data.items()}}  
 hyp = {{**T.HYP, **T.TINY, 'epochs': 1}}
 cpu = torch.device('cpu')
 for name, compile, channels_last in [('eager_nchw', False, False), ('eager_cl', False, True), ('compiled', True, True)]:
-    networks = T.Networks(hyp, cpu, torch.float32, compile, channels_last)
+    networks, compiled = T.compiled_warm_up(data, hyp, cpu, torch.float32, compile, channels_last, lambda *a: None, print)
+    assert compiled == compile
     rows = T.train_run(data, networks, hyp, cpu, 0, lambda row: None)
     torch.save(dict(rows=rows, net=networks.net.state_dict(), ema=networks.ema.state_dict()), f'{out}/{{name}}.pt')
     if compile:                                   # a second run, with another seed: nothing may recompile
@@ -1023,8 +1184,9 @@ for name, compile, channels_last in [('eager_nchw', False, False), ('eager_cl', 
 
 def test_compiled_and_channels_last_training_equals_eager_nchw_and_never_recompiles(dataset, tmp_path):
     """The first steps of --tiny (loss, weights, batch-norm statistics, EMA, evaluation) give the same
-    numbers compiled by inductor, in channels_last, and eager in NCHW, to fp32 tolerance; a second
-    compiled run recompiles nothing, as torch's recompile log shows."""
+    numbers compiled by inductor, in channels_last, and eager in NCHW (whose ghost batch norm is the
+    fused one), to fp32 tolerance; after the compilation pass and the warm-up, runs recompile
+    nothing, as torch's recompile log shows."""
     worker = tmp_path / 'worker.py'
     worker.write_text(COMPILE_WORKER.format(repo=str(SCRIPT.parent), data=str(dataset), out=str(tmp_path)))
     result = subprocess.run([sys.executable, str(worker)], capture_output=True, text=True, timeout=600,
@@ -1053,18 +1215,74 @@ def test_a_compile_that_cannot_compile_falls_back_to_eager_in_one_line(dataset):
     assert 'Traceback' not in result.stderr and 'runs: 1 finished' in result.stdout
 
 
+def compiler_failure(inner):
+    """What torch.compile raises when its backend fails: InductorError wraps the cause."""
+    from torch._inductor.exc import InductorError
+    return InductorError(inner, None)
+
+
 def test_a_damaged_compile_cache_is_named_in_the_fallback_line(dataset, monkeypatch, capsys):
     """Ctrl-C during a compilation can leave a truncated library in torch's cache, which the next
     compilation fails to load: the one line names the folder to delete."""
-    cache, real = T.inductor_cache(), T.warm_up
+    cache = T.inductor_cache()
 
-    def warm_up(data, networks, *args):
-        if networks.summed_loss is not T.summed_loss:             # compiled
-            raise ImportError(f'{cache}/uf/cufdeo2.main.so: file too short')
-        return real(data, networks, *args)
-    monkeypatch.setattr(T, 'warm_up', warm_up)
+    def compile_passes(*args):
+        raise compiler_failure(ImportError(f'{cache}/uf/cufdeo2.main.so: file too short'))
+    monkeypatch.setattr(T, 'compile_passes', compile_passes)
     assert T.main(['--tiny', '--compile', '--epochs', '1', '--data-dir', str(dataset)]) == 0
     assert f'training eager instead; {cache} may hold a file of an interrupted compilation' in capsys.readouterr().out
+
+
+@pytest.mark.parametrize('wrapped', [False, True])
+def test_out_of_memory_in_the_compiled_function_is_not_taken_for_a_compiler_failure(dataset, monkeypatch, capsys, wrapped):
+    """Eager would run out of memory too: the error must reach the user, not a fallback."""
+    def compiled(*args, **kwargs):
+        oom = torch.cuda.OutOfMemoryError('CUDA out of memory. Tried to allocate 2.00 GiB')
+        raise compiler_failure(oom) if wrapped else oom
+    monkeypatch.setattr(T.torch, 'compile', lambda function, **options: compiled)
+    with pytest.raises(Exception) as raised:
+        T.main(['--tiny', '--compile', '--epochs', '1', '--data-dir', str(dataset)])
+    assert 'out of memory' in str(raised.value) and 'eager instead' not in capsys.readouterr().out
+
+
+COMPILE_FAILS_ON_RANK_1 = """
+import sys, torch, torch.distributed as dist
+sys.path.insert(0, {repo!r})
+import train_cifar10 as T
+from torch._inductor.exc import InductorError
+rank, _, world = T.torchrun_ranks()
+dist.init_process_group('gloo')
+def compile(function, **options):                # rank 0 "compiles" at once; rank 1's compiler fails
+    if rank == 0:
+        return function
+    def failing(*args, **kwargs):
+        raise InductorError(RuntimeError('C++ compile error on this machine only'), None)
+    return failing
+torch.compile = compile
+data = T.load_cifar10(T.ensure_cifar10({data!r}))
+hyp = {{**T.HYP, **T.TINY, 'epochs': 1}}
+cpu = torch.device('cpu')
+networks, compiled = T.compiled_warm_up(data, hyp, cpu, torch.float32, True, True, lambda *a: None, print)
+T.train_run(data, networks, hyp, cpu, 0, lambda row: None)
+print(f'rank {{rank}} compiled={{compiled}}', flush=True)
+torch.save(networks.ema.state_dict(), f'{out}/ema_{{rank}}.pt')
+dist.destroy_process_group()
+"""
+
+
+def test_a_compilation_that_fails_on_one_rank_makes_every_rank_train_eager(dataset, tmp_path):
+    """One rank falling back alone would build a new DDP (a broadcast) while the other trains:
+    both would wait for ever. The ranks agree first; both train eager, identically, in bounded time."""
+    worker = tmp_path / 'worker.py'
+    worker.write_text(COMPILE_FAILS_ON_RANK_1.format(repo=str(SCRIPT.parent), data=str(dataset), out=str(tmp_path)))
+    result = torchrun(worker)                                     # torchrun() stops it after 300 s
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert 'rank 0 compiled=False' in out and 'rank 1 compiled=False' in out
+    assert 'torch.compile failed on rank 1 (InductorError: RuntimeError: C++ compile error on this machine only)' in out
+    assert 'torch.compile failed on another rank (its line says why): every rank trains eager instead' in out
+    rank0, rank1 = torch.load(tmp_path / 'ema_0.pt'), torch.load(tmp_path / 'ema_1.pt')
+    assert all(torch.equal(rank0[k], rank1[k]) for k in rank0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1247,45 +1465,55 @@ def page_step(page, device, dtype, batch_size):
                                   (*tb.default_train_steps, tb.update_ema(momentum=0.99, update_freq=5)))
 
 
-def our_step(device, dtype, compile, channels_last, hyp):
-    """One step of train_epoch on networks built as main builds them, with the given speed settings."""
+def our_steps(device, dtype, compile, channels_last, hyp):
+    """train_epoch over the given batches, on networks built as main builds them, with the given
+    speed settings."""
     networks = T.Networks(hyp, device, dtype, compile, channels_last)
     networks.reinitialise(torch.randn(27, 3, 3, 3), seed=0)
     layout = networks.memory_format
-    return lambda x, y: T.train_epoch(networks, x.contiguous(memory_format=layout), y, 1, 100, hyp)
+    return lambda x, y, steps: T.train_epoch(networks, x.contiguous(memory_format=layout), y, steps, 100, hyp)
+
+
+def page_steps(page, device, dtype, batch_size):
+    step = page_step(page, device, dtype, batch_size)
+    return lambda x, y, steps: [step(x[i * batch_size:(i + 1) * batch_size], y[i * batch_size:(i + 1) * batch_size])
+                                for i in range(steps)]
 
 
 @pytest.mark.skipif(not os.environ.get('BENCHMARK'), reason='a benchmark: BENCHMARK=1 runs it')
-def test_benchmark_one_full_width_training_step():
-    """Times one training step at full width and batch 512 for each speed setting of this script,
+def test_benchmark_full_width_training_steps():
+    """Throughput of full-width training steps at batch 512 for each speed setting of this script,
     and for Page's own code when PAGE_CODE names a checkout of davidcpage/cifar10-fast: in one
-    process, the settings interleaved, BENCHMARK_REPS times (default 3). The device is
-    BENCHMARK_DEVICE (default cpu); the dtype is the script's default for it."""
+    process, after a warm-up (compilation, cuDNN's search), BENCHMARK_STEPS steps (default 50) timed
+    between two device syncs, the settings interleaved, BENCHMARK_REPS times (default 3). The
+    device is BENCHMARK_DEVICE (default cpu); the dtype is the script's default for it."""
     device = torch.device(os.environ.get('BENCHMARK_DEVICE', 'cpu'))
     dtype = torch.float16 if device.type == 'cuda' else torch.float32
+    n_steps, batch = int(os.environ.get('BENCHMARK_STEPS', 50)), 512
     hyp = dict(T.HYP)
-    steps = {'eager, NCHW': our_step(device, dtype, False, False, hyp),
-             'eager, channels_last': our_step(device, dtype, False, True, hyp),
-             'compiled, NCHW': our_step(device, dtype, True, False, hyp),
-             'compiled, channels_last (the default)': our_step(device, dtype, True, True, hyp)}
+    steps = {'eager, NCHW': our_steps(device, dtype, False, False, hyp),
+             'eager, channels_last': our_steps(device, dtype, False, True, hyp),
+             'compiled, NCHW': our_steps(device, dtype, True, False, hyp),
+             'compiled, channels_last (the default)': our_steps(device, dtype, True, True, hyp)}
     if os.environ.get('PAGE_CODE'):
-        steps["Page's cifar10-fast"] = page_step(load_page_code(Path(os.environ['PAGE_CODE'])), device, dtype, 512)
-    x = torch.randn(512, 3, 32, 32, device=device, dtype=dtype)
-    y = torch.randint(0, 10, (512,), device=device)
+        steps["Page's cifar10-fast"] = page_steps(load_page_code(Path(os.environ['PAGE_CODE'])), device, dtype, batch)
+    x = torch.randn(n_steps * batch, 3, 32, 32, device=device, dtype=dtype)     # distinct batches
+    y = torch.randint(0, 10, (n_steps * batch,), device=device)
     for step in steps.values():                                   # warm-up: compilation, cuDNN's search
-        step(x, y)
+        step(x, y, min(2, n_steps))
     times = {name: [] for name in steps}
     for _ in range(int(os.environ.get('BENCHMARK_REPS', 3))):
         for name, step in steps.items():
             T.synchronize(device)
             start = time.perf_counter()
-            step(x, y)
+            step(x, y, n_steps)
             T.synchronize(device)
-            times[name].append(time.perf_counter() - start)
+            times[name].append((time.perf_counter() - start) / n_steps)
     page = np.median(times["Page's cifar10-fast"]) if "Page's cifar10-fast" in times else None
-    print(f'\none training step, batch 512, {T.device_description(device)}, {dtype}, torch {torch.__version__}')
-    width = max(18, 6 * len(next(iter(times.values()))))
-    print(f"{'setting':40} {'median s':>9}  {'each repetition, s':{width}} {'Page / this':>12}")
+    print(f'\n{n_steps} training steps between syncs, batch {batch}, {T.device_description(device)}, {dtype}, '
+          f'torch {torch.__version__}; median of {len(next(iter(times.values())))} interleaved repetitions')
+    print(f"{'setting':40} {'ms/step':>9} {'images/s':>9}  {'ms/step of each repetition':28} {'Page / this':>11}")
     for name, t in times.items():
-        ratio = f'{page / np.median(t):12.2f}' if page else ''
-        print(f"{name:40} {np.median(t):9.2f}  {' '.join(f'{s:5.2f}' for s in t):{width}} {ratio}")
+        ratio = f'{page / np.median(t):11.2f}' if page else ''
+        each = ' '.join(f'{1000 * s:.1f}' for s in t)
+        print(f"{name:40} {1000 * np.median(t):9.1f} {batch / np.median(t):9.0f}  {each:28} {ratio}")

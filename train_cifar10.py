@@ -22,6 +22,7 @@ channels_last, against 8.7 s for Page's own code doing the same step (5 interlea
 """
 import argparse
 import codecs
+import contextlib
 import copy
 import hashlib
 import http.client
@@ -326,12 +327,23 @@ def draw_augmentation(n, hyp, generator):
 
 
 def crop(padded, top, left, size):
-    """Image i's size x size window at (top[i], left[i]): two gathers, no loop over images."""
-    n, c, h, w = padded.shape
-    offsets = torch.arange(size, device=padded.device)
-    rows = (top[:, None] + offsets)[:, None, :, None].expand(n, c, size, w)
-    columns = (left[:, None] + offsets)[:, None, None, :].expand(n, c, size, size)
-    return padded.gather(2, rows).gather(3, columns)
+    """Image i's size x size window at (top[i], left[i]), for top and left on the CPU.
+
+    As in Page's loader, the images are grouped by offset (at most 81 groups for a pad of 4) and
+    each group is cut with a plain slice and one index_select: no per-pixel index tensor (a gather
+    needs one 4 times the images' size in int64, and MPS has computed gathers over expanded
+    indices wrongly), and the groups are formed on the CPU, so nothing waits for the device.
+    """
+    width = padded.shape[3]
+    order = torch.argsort(top * width + left, stable=True)  # the images grouped by offset
+    offsets, counts = torch.unique_consecutive((top * width + left)[order], return_counts=True)
+    index = order.to(padded.device)
+    groups, start = [], 0
+    for offset, count in zip(offsets.tolist(), counts.tolist()):
+        y, x = divmod(offset, width)
+        groups.append(padded[:, :, y:y + size, x:x + size].index_select(0, index[start:start + count]))
+        start += count
+    return torch.cat(groups).index_select(0, torch.argsort(order).to(padded.device))  # back in image order
 
 
 def flip(images, which):
@@ -356,8 +368,9 @@ def augmented_epoch(padded, labels, hyp, generator, rank=0, world=1):
     and keeps images rank, rank+world, ... of each batch: the ghost batch-norm splits (images
     k, k+s, ...) then hold the same images as in one process at the same global batch size.
     """
-    draws = {k: v.to(padded.device) for k, v in draw_augmentation(len(padded), hyp, generator).items()}
-    images = flip(crop(padded, draws['top'], draws['left'], 32), draws['flip'])
+    cpu_draws = draw_augmentation(len(padded), hyp, generator)
+    draws = {k: v.to(padded.device) for k, v in cpu_draws.items()}
+    images = flip(crop(padded, cpu_draws['top'], cpu_draws['left'], 32), draws['flip'])
     if hyp['cutout']:
         images = cutout(images, draws['cutout_top'], draws['cutout_left'], hyp['cutout'])
     b = hyp['batch_size']
@@ -394,14 +407,37 @@ def patch_moment(images):
     return (patches @ patches.transpose(1, 2)).sum(0) / (n * patches.shape[2] - 1)
 
 
+class WhitenedPrep(nn.Conv2d):
+    """Page's first two layers, the fixed whitening (3x3, 3 -> 27 channels) and the trainable 1x1
+    prep conv (27 -> c_out), computed as the one 3x3 conv (3 -> c_out) they compose to.
+
+    Its filters, sum_k prep[o, k] x whitening[k], are formed at every step from the trainable 1x1
+    weights, so the function and the prep weights' gradient are those of the two convs, but the
+    27-channel full-resolution activation (56 MB a batch of 512 in fp32) is never written, nor
+    kept for the backward pass. The 1x1 weights are drawn as nn.Conv2d(27, c_out, 1) draws them.
+    """
+
+    def __init__(self, whitening, c_out):
+        super().__init__(len(whitening), c_out, 1, bias=False)
+        self.register_buffer('whitening', whitening)  # fixed, never trained
+
+    def forward(self, x):
+        filters = (self.weight.flatten(1) @ self.whitening.flatten(1)).view(-1, *self.whitening.shape[1:])
+        return F.conv2d(x, filters, padding=1)
+
+
 class GhostBatchNorm(nn.BatchNorm2d):
     """Batch norm with statistics over splits of split_size images, scale frozen at 1.
 
     Small-batch statistics are noisier, which regularises (Page: 32 images per split). With s
     splits, split k holds images k, k+s, k+2s, ... as in Page's code: x.view(n/s, s, c, h, w)[:, k].
-    Splitting the batch dimension is a view in any memory layout, so channels_last activations are
-    never copied. Statistics are taken in fp32. The running statistics move by the average of the
-    splits' statistics, which is what one running average per split, averaged, would hold.
+    Statistics are taken in fp32. The running statistics move by the average of the splits'
+    statistics, which is what one running average per split, averaged, would hold.
+
+    Two ways to the same numbers. Compiled, or in channels_last, the splits are a view of the
+    batch (in any memory layout: never a copy) normalised by var_mean and elementwise operations,
+    which the compiler fuses. Eager in NCHW (MPS, --no-compile), Page's way is faster: the splits
+    become channels, x.view(n/s, s c, h, w), and one fused batch-norm kernel normalises them.
     """
 
     def __init__(self, channels, split_size):
@@ -412,10 +448,15 @@ class GhostBatchNorm(nn.BatchNorm2d):
     def forward(self, x):
         if not self.training:
             return super().forward(x)
+        splits = len(x) // self.split_size
+        if x.is_contiguous() and not torch.compiler.is_compiling():
+            return self.splits_as_channels(x, splits)
+        return self.splits_as_view(x, splits)
+
+    def splits_as_view(self, x, splits):
+        """xs[:, k] = x.view(n/s, s, c, h, w)[:, k] is split k; var_mean over it, then elementwise."""
         n, c, h, w = x.shape
-        splits = n // self.split_size
-        xs = x.view(-1, splits, c, h, w)  # xs[:, k] is split k
-        xs = xs.to(torch.promote_types(x.dtype, torch.float32))  # statistics in fp32 (or wider)
+        xs = x.view(-1, splits, c, h, w).to(torch.promote_types(x.dtype, torch.float32))  # statistics in fp32
         var, mean = torch.var_mean(xs, dim=(0, 3, 4), correction=0, keepdim=True)
         scale = torch.rsqrt(var + self.eps) * self.weight.view(1, 1, c, 1, 1)
         y = (xs - mean) * scale + self.bias.view(1, 1, c, 1, 1)
@@ -424,6 +465,20 @@ class GhostBatchNorm(nn.BatchNorm2d):
             self.running_mean.lerp_(mean.view(splits, c).mean(0), self.momentum)
             self.running_var.lerp_(var.view(splits, c).mean(0) * (count / (count - 1)), self.momentum)
         return y.to(x.dtype).view(n, c, h, w)
+
+    def splits_as_channels(self, x, splits):
+        """Page's ghost batch norm: image k + s i's channel j is channel k c + j of x.view(n/s, s c, h, w).
+        Statistics of that batch go to temporaries (momentum 1 copies them in: the batch mean and
+        unbiased variance), whose average over the splits the running statistics then move to."""
+        n, c, h, w = x.shape
+        mean = self.running_mean.new_zeros(splits * c)  # in the statistics' dtype, fp32 or wider
+        var = self.running_var.new_ones(splits * c)
+        y = F.batch_norm(x.view(-1, splits * c, h, w), mean, var, self.weight.repeat(splits),
+                         self.bias.repeat(splits), training=True, momentum=1.0, eps=self.eps)
+        with torch.no_grad():
+            self.running_mean.lerp_(mean.view(splits, c).mean(0), self.momentum)
+            self.running_var.lerp_(var.view(splits, c).mean(0), self.momentum)
+        return y.view(n, c, h, w)
 
 
 def conv_bn(c_in, c_out, hyp, pool=False):
@@ -445,13 +500,12 @@ class Residual(nn.Module):
 
 
 class ResNet9(nn.Module):
-    """Page's ResNet9: whitening, prep, three pooled layers (two with residual branches), a linear head."""
+    """Page's ResNet9: whitening and prep, three pooled layers (two with residual branches), a linear head."""
 
     def __init__(self, whitening, hyp):
         super().__init__()
         prep, c1, c2, c3 = hyp['channels']
-        self.register_buffer('whitening', whitening)  # fixed, never trained
-        self.prep = nn.Sequential(nn.Conv2d(len(whitening), prep, 1, bias=False),
+        self.prep = nn.Sequential(WhitenedPrep(whitening, prep),
                                   GhostBatchNorm(prep, hyp['bn_split_size']), nn.CELU(hyp['celu_alpha']))
         self.layer1 = nn.Sequential(conv_bn(prep, c1, hyp, pool=True), Residual(c1, hyp))
         self.layer2 = conv_bn(c1, c2, hyp, pool=True)
@@ -460,8 +514,7 @@ class ResNet9(nn.Module):
         self.logit_scale = hyp['logit_scale']
 
     def forward(self, x):
-        x = self.prep(F.conv2d(x, self.whitening, padding=1))
-        x = self.layer3(self.layer2(self.layer1(x)))
+        x = self.layer3(self.layer2(self.layer1(self.prep(x))))
         return self.head(x.amax(dim=(2, 3))) * self.logit_scale  # global max-pool
 
 
@@ -605,16 +658,16 @@ def train_epoch(networks, images, labels, steps, first_step, hyp, on_step=lambda
     bn_statistics = [b for m in networks.net.modules() if isinstance(m, nn.BatchNorm2d)
                      for b in (m.running_mean, m.running_var)]
     knots, values = lr_knots(hyp)
-    batch = len(images) // steps
+    batch = hyp['batch_size'] // world  # this rank's share of a step
     loss_sum = torch.zeros((), device=images.device)
     correct = torch.zeros((), device=images.device, dtype=torch.long)
     for i in range(steps):
         step = first_step + i + 1  # counted from 1: the first step already has a non-zero lr
         lr = piecewise_linear(step / steps, knots, values)
         x, y = images[i * batch:(i + 1) * batch], labels[i * batch:(i + 1) * batch]
+        networks.opt.zero_grad()  # to None before the forward: the last step's gradients are freed
         loss, logits = networks.summed_loss(networks.model, x, y, hyp['label_smoothing'])
-        networks.opt.zero_grad()
-        (loss * world).backward()
+        (loss * world if world > 1 else loss).backward()
         networks.opt.step(lr)
         if i % hyp['ema_every'] == 0:
             if world > 1:
@@ -706,15 +759,17 @@ class Networks:
         for module in self.initial.modules():  # in construction order, as a new network draws them
             if isinstance(module, (nn.Conv2d, nn.Linear, nn.BatchNorm2d)):
                 module.reset_parameters()
-        self.initial.whitening.copy_(whitening)
+        self.initial.prep[0].whitening.copy_(whitening)
         self.net.load_state_dict(self.initial.state_dict())  # copies into the training dtype and layout
         self.ema.load_state_dict(self.initial.state_dict())
         self.opt.reset()
 
 
-def train_run(data, networks, hyp, device, seed, on_epoch, on_step=lambda epoch, step, steps: None):
+def train_run(data, networks, hyp, device, seed, on_epoch, on_step=lambda epoch, step, steps: None,
+              warm_up=False):
     """Train one model from the uint8 arrays and return the per-epoch rows; networks.ema then
-    holds the run's EMA model.
+    holds the run's EMA model. warm_up: only 2 steps an epoch and an evaluation of the last
+    batches, of the same shapes (see warm_up below).
 
     seed fixes the initial weights and every augmentation draw; both are drawn on the CPU, so a
     seed gives the same run on any device, and every rank of a process group the same order.
@@ -745,6 +800,7 @@ def train_run(data, networks, hyp, device, seed, on_epoch, on_step=lambda epoch,
     for epoch in range(1, hyp['epochs'] + 1):
         start = time.perf_counter()
         images, labels, steps = augmented_epoch(padded, train_labels, hyp, generator, rank, world)
+        steps = min(steps, 2) if warm_up else steps
         images = images.contiguous(memory_format=networks.memory_format)
         train_loss, train_correct, lr = train_epoch(networks, images, labels, steps, step, hyp,
                                                     on_step=lambda i, steps, epoch=epoch: on_step(epoch, i, steps))
@@ -753,7 +809,8 @@ def train_run(data, networks, hyp, device, seed, on_epoch, on_step=lambda epoch,
         train_time = time.perf_counter() - start
         total_time += train_time
         start = time.perf_counter()
-        valid_loss, valid_correct = evaluate(networks, test, test_labels, hyp)
+        last = -(len(test) % hyp['eval_batch_size'] + hyp['eval_batch_size']) if warm_up else 0
+        valid_loss, valid_correct = evaluate(networks, test[last:], test_labels[last:], hyp)
         synchronize(device)
         valid_time = time.perf_counter() - start
         sums = torch.stack([train_loss, train_correct.float(), valid_loss, valid_correct.float()])
@@ -773,17 +830,13 @@ def train_run(data, networks, hyp, device, seed, on_epoch, on_step=lambda epoch,
 
 
 def warm_up(data, networks, hyp, device, on_step):
-    """A short throwaway run before the first clock starts, so that one-off costs (compilation,
-    the CUDA context, cuDNN's algorithm search for each shape, lazy allocations) are not charged
-    to run 1. It uses the runs' batch shapes, so the compiled functions are the runs' own: each
-    rank's last evaluation batch is as short as in a run, since the test images beyond whole
-    rounds of eval_batch_size per rank are the same in number."""
-    _, world = rank_and_world()
-    b, e = hyp['batch_size'], hyp['eval_batch_size']
-    n_test = e * world + len(data['test_images']) % (e * world)
-    subset = dict(train_images=data['train_images'][:2 * b], train_labels=data['train_labels'][:2 * b],
-                  test_images=data['test_images'][:n_test], test_labels=data['test_labels'][:n_test])
-    train_run(subset, networks, {**hyp, 'epochs': 1}, device, seed=0, on_epoch=lambda row: None, on_step=on_step)
+    """A throwaway run before the first clock starts, so that one-off costs (the CUDA context,
+    cuDNN's algorithm search for each shape, first allocations) are not charged to run 1. It is
+    a run on all the data (the same uploads, padding, whitening patches and augmentation buffers,
+    so the allocator holds blocks of every size a run asks for) cut to 2 training steps and the
+    last two evaluation batches (the runs' batch shapes: a full one and the shorter last one)."""
+    train_run(data, networks, {**hyp, 'epochs': 1}, device, seed=0, on_epoch=lambda row: None, on_step=on_step,
+              warm_up=True)
 
 
 def probe_run(device, dtype, channels_last):
@@ -797,8 +850,31 @@ def probe_run(device, dtype, channels_last):
                 test_labels=rng.integers(0, NUM_CLASSES, n))
     hyp = {**HYP, 'channels': (8, 8, 8, 8), 'epochs': 1, 'batch_size': n // 2, 'eval_batch_size': n // 2,
            'whitening_images': n, 'cutout': 8}
+    check_augmentation(device)
     networks = Networks(hyp, device, dtype, compile=False, channels_last=channels_last)
     train_run(data, networks, hyp, device, seed=0, on_epoch=lambda row: None)
+
+
+def check_augmentation(device):
+    """crop, flip and cutout on the device against plain slicing of each image on the CPU: a
+    backend that computes one of them wrongly (MPS has, for some indexing patterns) is refused."""
+    g = torch.Generator().manual_seed(0)
+    images = torch.randint(0, 256, (24, 3, 40, 40), generator=g).float()
+    top, left, corner = (torch.randint(0, 9, (24,), generator=g) for _ in range(3))
+    which = torch.arange(24) % 3 == 0
+    on_device = images.to(device)
+    expected = dict(
+        crop=torch.stack([x[:, t:t + 32, l:l + 32] for x, t, l in zip(images, top.tolist(), left.tolist())]),
+        flip=torch.stack([x.flip(2) if w else x for x, w in zip(images, which.tolist())]),
+        cutout=images.clone())
+    for x, t, l in zip(expected['cutout'], corner.tolist(), top.tolist()):
+        x[:, t:t + 8, l:l + 8] = 0
+    got = dict(crop=crop(on_device, top, left, 32), flip=flip(on_device, which.to(device)),
+               cutout=cutout(on_device, corner.to(device), top.to(device), 8))
+    for name, result in got.items():
+        if not torch.equal(result.cpu(), expected[name]):
+            raise UserError(f'{device.type} computes the augmentation "{name}" wrongly (checked against plain '
+                            'slicing): update torch, or use --device cpu')
 
 
 # =============================================================================================
@@ -836,13 +912,13 @@ def t_quantile(p, df):
     return (low + high) / 2
 
 
-def header_lines(hyp, data, device, dtype, seed, flops, peak, world):
+def header_lines(hyp, data, device, dtype, seed, flops, peak, world, fp32_math=None):
     """What a log must say before its first row: the script's version, the software and device,
     the settings, the data's provenance, and the model FLOPs of a run."""
     ranks = f" | {world} ranks ({dist.get_backend()}), {hyp['batch_size'] // world} images each per step" if world > 1 else ''
     peak = (f' | peak {peak:g} TFLOP/s' + (f' x {world}' if world > 1 else '')) if peak else ''
     return [f'train_cifar10.py {script_hash()} | torch {torch.__version__} | {device_description(device)}{ranks}',
-            f"dtype {str(dtype).replace('torch.', '')} (batch norm fp32, EMA fp32) | seed {seed} | "
+            f"dtype {str(dtype).replace('torch.', '')} (batch norm fp32, EMA fp32{'; ' + fp32_math if fp32_math else ''}) | seed {seed} | "
             f"{len(data['train_images'])} train / {len(data['test_images'])} test images",
             'hyperparameters: ' + ', '.join(f'{k}={v}' for k, v in hyp.items()),
             f"data: {data['provenance']}",
@@ -947,20 +1023,26 @@ def count_flops(hyp, n_train, n_test):
 
 # Dense fp16/bf16 tensor-core peaks in TFLOP/s (fp32 accumulation, no sparsity) from NVIDIA's
 # datasheets, which quote twice these "with sparsity", and architecture whitepapers. The first
-# name found as a word in torch.cuda.get_device_name() wins.
+# name found as a word in torch.cuda.get_device_name() wins, so a variant precedes its family.
 PEAK_TFLOPS = (
-    ('H100 PCIe', 756),  # H100 datasheet: 1,513 with sparsity
-    ('H100 NVL', 835),   # H100 NVL datasheet: 1,671 with sparsity
-    ('H100', 989),       # H100 SXM datasheet: 1,979 with sparsity
-    ('H200', 989),       # H200 datasheet: 1,979 with sparsity
-    ('A100', 312),       # A100 datasheet: 624 with sparsity
-    ('A10', 125),        # A10 datasheet: 250 with sparsity
-    ('L4', 121),         # L4 datasheet: 242 with sparsity
-    ('V100-PCIE', 112),  # V100 datasheet, PCIe card
-    ('V100', 125),       # V100 datasheet, SXM2
-    ('T4', 65),          # T4 datasheet, mixed fp16/fp32
-    ('RTX 4090', 165),   # Ada (AD102) whitepaper, fp32 accumulate; 330 with fp16 accumulate
-    ('RTX 3090', 71),    # Ampere GA102 whitepaper, fp32 accumulate; 142 with fp16 accumulate
+    ('H100 PCIe', 756),     # H100 datasheet: 1,513 with sparsity
+    ('H100 NVL', 835),      # H100 NVL datasheet: 1,671 with sparsity
+    ('H100', 989),          # H100 SXM datasheet: 1,979 with sparsity
+    ('H200 NVL', 835),      # H200 datasheet, NVL (PCIe) column: 1,671 with sparsity
+    ('H200', 989),          # H200 datasheet, SXM column: 1,979 with sparsity
+    ('GH200', 989),         # GH200 Grace Hopper datasheet: 1,979 with sparsity
+    ('A100', 312),          # A100 datasheet: 624 with sparsity
+    ('A10G', 70),           # AWS's A10 variant; no NVIDIA datasheet: AWS and cloud spec sheets give 70
+    ('A10', 125),           # A10 datasheet: 250 with sparsity
+    ('L40S', 362),          # L40S datasheet: 362.05 (733 with sparsity)
+    ('L4', 121),            # L4 datasheet: 242 with sparsity
+    ('V100S', 130),         # V100S PCIe datasheet
+    ('V100-PCIE', 112),     # V100 datasheet, PCIe card
+    ('V100', 125),          # V100 datasheet, SXM2
+    ('T4', 65),             # T4 datasheet, mixed fp16/fp32
+    ('RTX 4090', 165),      # Ada (AD102) whitepaper, fp32 accumulate; 330 with fp16 accumulate
+    ('RTX 3090 Ti', 80),    # GeForce spec page: 320 sparse with fp16 accumulate; fp32 accumulate is half rate
+    ('RTX 3090', 71),       # Ampere GA102 whitepaper, fp32 accumulate; 142 with fp16 accumulate
 )
 
 
@@ -1139,6 +1221,20 @@ def native_bf16(device):
     return bool(torch.version.hip) or torch.cuda.get_device_capability(device)[0] >= 8
 
 
+def fp32_matmul_precision(device, dtype):
+    """Choose, and say, how fp32 convolutions and matrix products run on a CUDA GPU. With fp16 or
+    bf16 training only the EMA's evaluation is fp32: it may use TF32 on Ampere and later (10
+    mantissa bits, as many as the fp16 in which Page evaluated), as cuDNN does by default for
+    convolutions; matrix products are told the same, which also silences inductor's warning.
+    --dtype fp32 asks for fp32 throughout, so TF32 is off for both."""
+    if device.type != 'cuda':
+        return None  # CPUs and MPS compute fp32 as fp32
+    tf32 = dtype != torch.float32
+    torch.backends.cudnn.allow_tf32 = tf32
+    torch.set_float32_matmul_precision('high' if tf32 else 'highest')
+    return 'fp32 convolutions and matmuls in TF32' if tf32 else 'TF32 off'
+
+
 def pick_dtype(name, device, channels_last):
     """The training dtype; a short probe run must succeed with it on this device and layout."""
     if name == 'auto':
@@ -1209,34 +1305,80 @@ def speed_settings(args, device):
     on a CPU (a full-width step 1.5 times as fast, README: Speed), but takes about a minute on a
     CPU, longer than all of --tiny; MPS's compiler is experimental. channels_last is the layout
     tensor cores and the CPU's convolutions are fastest in."""
-    compile = device.type == 'cuda' or (device.type == 'cpu' and not args.tiny)
+    compile = device.type in ('cuda', 'cpu') and not args.tiny
     return (compile if args.compile is None else args.compile), device.type != 'mps'
 
 
 def compiled_warm_up(data, hyp, device, dtype, compile, channels_last, on_step, log):
-    """Build the networks and warm them up. When compiling, the warm-up runs twice: the difference
-    is the compilation time, printed on its own line. A compilation that fails (no C++ compiler,
-    no Triton) is said in one line, and training goes on eager."""
+    """Build the networks, compile them if asked, and warm them up; returns them and whether they
+    are compiled. A compilation that fails (no C++ compiler, no Triton, a damaged cache) is said
+    in one line, and training goes on eager: on every rank if it failed on any, since ranks that
+    trained differently would wait for each other's collectives for ever."""
     networks = Networks(hyp, device, dtype, compile, channels_last)
-    start = time.perf_counter()
-    try:
-        warm_up(data, networks, hyp, device, on_step)
-    except Exception as e:  # whatever the compiler raised; eager then shows a real error as it is
-        if not compile:
-            raise
-        reason = f'{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ""}'[:200]
-        cache = inductor_cache()
-        hint = (f'; {cache} may hold a file of an interrupted compilation: delete it to compile again'
-                if cache and cache in str(e) else '')
-        log(f'torch.compile failed ({reason}): training eager instead{hint}')
-        return compiled_warm_up(data, hyp, device, dtype, False, channels_last, on_step, log)
     if compile:
-        with_compilation = time.perf_counter() - start
-        start = time.perf_counter()
-        warm_up(data, networks, hyp, device, on_step)
-        log(f'torch.compile: {with_compilation - (time.perf_counter() - start):.1f} s, '
-            'in the warm-up, outside every run\'s time')
+        rank, world = rank_and_world()
+        start, error = time.perf_counter(), None
+        try:
+            compile_passes(networks, data, hyp, device)
+        except Exception as e:
+            if not is_compiler_error(e):
+                raise  # out of memory, a failed collective: eager would fail the same way
+            error = e
+        if failed_on_any_rank(error is not None, device):
+            if error is not None:
+                reason = f'{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ""}'[:200]
+                cache = inductor_cache()
+                hint = (f'; {cache} may hold a file of an interrupted compilation: delete it to compile again'
+                        if cache and cache in str(error) else '')
+                print(f"torch.compile failed{f' on rank {rank}' if world > 1 else ''} ({reason}): "
+                      f'training eager instead{hint}', flush=True)
+            elif rank == 0:
+                print('torch.compile failed on another rank (its line says why): every rank trains eager instead')
+            networks, compile = Networks(hyp, device, dtype, False, channels_last), False
+        else:
+            log(f'torch.compile: {time.perf_counter() - start:.1f} s, before the warm-up, outside every run\'s time')
+    warm_up(data, networks, hyp, device, on_step)
     return networks, compile
+
+
+def compile_passes(networks, data, hyp, device):
+    """Compile the training loss (forward and backward) and the flip-TTA pass at the runs' shapes.
+    No collective runs meanwhile (under torchrun, DDP's no_sync keeps the gradients on the rank),
+    so a rank whose compilation fails leaves no other rank waiting for it."""
+    rank, world = rank_and_world()
+    b = hyp['batch_size'] // world
+    x = normalise(data['train_images'][:b], device, networks.dtype).contiguous(memory_format=networks.memory_format)
+    y = torch.from_numpy(data['train_labels'][:b]).to(device)
+    with networks.model.no_sync() if world > 1 else contextlib.nullcontext():
+        networks.summed_loss(networks.model, x, y, hyp['label_smoothing'])[0].backward()
+    networks.opt.zero_grad()
+    test = normalise(data['test_images'][rank::world], device, torch.float32)
+    batches = test.contiguous(memory_format=networks.memory_format).split(hyp['eval_batch_size'])
+    with torch.no_grad():
+        for batch in {len(batch): batch for batch in batches}.values():  # a full batch and the last
+            networks.tta_logits(networks.ema, batch)
+
+
+def is_compiler_error(error):
+    """Whether an exception is torch.compile's own failure, which eager training would not meet.
+    Out-of-memory and distributed errors are not, even when the compiler wraps them."""
+    chain = []
+    while error is not None and len(chain) < 32:
+        chain.append(error)
+        error = getattr(error, 'inner_exception', None) or error.__cause__ or error.__context__
+    if any(isinstance(e, (torch.cuda.OutOfMemoryError, dist.DistError)) for e in chain):
+        return False
+    from torch._dynamo.exc import TorchDynamoException  # imported by torch.compile's first call
+    return isinstance(chain[0], TorchDynamoException)
+
+
+def failed_on_any_rank(failed, device):
+    """Whether `failed` is true on any rank: one all-reduce of a flag under torchrun."""
+    if not dist.is_initialized():
+        return failed
+    flag = torch.tensor(float(failed), device=device)  # NCCL reduces CUDA tensors, gloo CPU ones
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
 
 
 def inductor_cache():
@@ -1291,12 +1433,13 @@ def main(argv=None):
             return 1
         if device.type == 'cuda':
             torch.backends.cudnn.benchmark = True  # fixed shapes: let cuDNN pick the fastest kernels
+        fp32_math = fp32_matmul_precision(device, dtype)
 
         flops = count_flops(hyp, len(data['train_images']), len(data['test_images']))
         peak = peak_tflops(device, dtype, args.peak_tflops)
-        log('\n'.join(header_lines(hyp, data, device, dtype, args.seed, flops, peak, world)))
+        log('\n'.join(header_lines(hyp, data, device, dtype, args.seed, flops, peak, world, fp32_math)))
         context = dict(script_sha256=script_hash(), torch=torch.__version__, device=device_description(device),
-                       ranks=world, dtype=str(dtype), hyperparameters=hyp, data=data['provenance'],
+                       ranks=world, dtype=str(dtype), fp32_math=fp32_math, hyperparameters=hyp, data=data['provenance'],
                        channels_last=channels_last, flops=flops, peak_tflops=peak)
         progress = Progress(enabled=rank == 0 and sys.stderr.isatty())
 
@@ -1308,8 +1451,8 @@ def main(argv=None):
             progress.clear()
             log(table_row(row), flush=True)
 
-        log(f"\nwarm-up: a short untimed run (2 steps and an evaluation){' with compilation' if compile else ''} "
-            'takes the one-off costs', flush=True)
+        log(f"\n{'compilation, then ' if compile else ''}warm-up: an untimed run of 2 steps and 2 evaluation "
+            'batches takes the one-off costs', flush=True)
         networks, compile = compiled_warm_up(data, hyp, device, dtype, compile, channels_last,
                                              on_step('warm-up', 1), log)
         context['compiled'] = compile
