@@ -335,8 +335,9 @@ def crop(padded, top, left, size):
     indices wrongly), and the groups are formed on the CPU, so nothing waits for the device.
     """
     width = padded.shape[3]
-    order = torch.argsort(top * width + left, stable=True)  # the images grouped by offset
-    offsets, counts = torch.unique_consecutive((top * width + left)[order], return_counts=True)
+    offset = top * width + left
+    order = torch.argsort(offset, stable=True)  # the images grouped by offset
+    offsets, counts = torch.unique_consecutive(offset[order], return_counts=True)
     index = order.to(padded.device)
     groups, start = [], 0
     for offset, count in zip(offsets.tolist(), counts.tolist()):
