@@ -941,7 +941,7 @@ def test_fp32_precision_is_chosen_and_said(monkeypatch, device, dtype, tf32):
     monkeypatch.setattr(torch.backends.cudnn, 'allow_tf32', not tf32)   # restored after the test
     precision = torch.get_float32_matmul_precision()
     try:
-        said = T.fp32_matmul_precision(torch.device(device), dtype)
+        said = T.fp32_precision(torch.device(device), dtype)
         if tf32 is None:
             assert said is None and torch.get_float32_matmul_precision() == precision
         else:

@@ -866,17 +866,17 @@ def check_augmentation(device):
     backend that computes one of them wrongly (MPS has, for some indexing patterns) is refused."""
     g = torch.Generator().manual_seed(0)
     images = torch.randint(0, 256, (24, 3, 40, 40), generator=g).float()
-    top, left, corner = (torch.randint(0, 9, (24,), generator=g) for _ in range(3))
+    top, left, corner_top, corner_left = (torch.randint(0, 9, (24,), generator=g) for _ in range(4))
     which = torch.arange(24) % 3 == 0
     on_device = images.to(device)
     expected = dict(
         crop=torch.stack([x[:, t:t + 32, l:l + 32] for x, t, l in zip(images, top.tolist(), left.tolist())]),
         flip=torch.stack([x.flip(2) if w else x for x, w in zip(images, which.tolist())]),
         cutout=images.clone())
-    for x, t, l in zip(expected['cutout'], corner.tolist(), top.tolist()):
+    for x, t, l in zip(expected['cutout'], corner_top.tolist(), corner_left.tolist()):
         x[:, t:t + 8, l:l + 8] = 0
     got = dict(crop=crop(on_device, top, left, 32), flip=flip(on_device, which.to(device)),
-               cutout=cutout(on_device, corner.to(device), top.to(device), 8))
+               cutout=cutout(on_device, corner_top.to(device), corner_left.to(device), 8))
     for name, result in got.items():
         if not torch.equal(result.cpu(), expected[name]):
             raise UserError(f'{device.type} computes the augmentation "{name}" wrongly (checked against plain '
@@ -1227,7 +1227,7 @@ def native_bf16(device):
     return bool(torch.version.hip) or torch.cuda.get_device_capability(device)[0] >= 8
 
 
-def fp32_matmul_precision(device, dtype):
+def fp32_precision(device, dtype):
     """Choose, and say, how fp32 convolutions and matrix products run on a CUDA GPU. With fp16 or
     bf16 training only the EMA's evaluation is fp32: it may use TF32 on Ampere and later (10
     mantissa bits, as many as the fp16 in which Page evaluated), as cuDNN does by default for
@@ -1331,15 +1331,8 @@ def compiled_warm_up(data, hyp, device, dtype, compile, channels_last, on_step, 
                 raise  # out of memory, a failed collective: eager would fail the same way
             error = e
         if failed_on_any_rank(error is not None, device):
-            if error is not None:
-                reason = f'{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ""}'[:200]
-                cache = inductor_cache()
-                hint = (f'; {cache} may hold a file of an interrupted compilation: delete it to compile again'
-                        if cache and cache in str(error) else '')
-                print(f"torch.compile failed{f' on rank {rank}' if world > 1 else ''} ({reason}): "
-                      f'training eager instead{hint}', flush=True)
-            elif rank == 0:
-                print('torch.compile failed on another rank (its line says why): every rank trains eager instead')
+            if error is not None or rank == 0:  # every rank that failed says why; rank 0 says it for the others
+                print(compile_failure_line(error, rank, world), flush=True)
             networks, compile = Networks(hyp, device, dtype, False, channels_last), False
         else:
             log(f'torch.compile: {time.perf_counter() - start:.1f} s, before the warm-up, outside every run\'s time')
@@ -1363,6 +1356,17 @@ def compile_passes(networks, data, hyp, device):
     with torch.no_grad():
         for batch in {len(batch): batch for batch in batches}.values():  # a full batch and the last
             networks.tta_logits(networks.ema, batch)
+
+
+def compile_failure_line(error, rank, world):
+    """The one line that says a compilation failed (error is None: on another rank) and why."""
+    if error is None:
+        return 'torch.compile failed on another rank (its line says why): every rank trains eager instead'
+    reason = f'{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ""}'[:200]
+    cache = inductor_cache()
+    hint = (f'; {cache} may hold a file of an interrupted compilation: delete it to compile again'
+            if cache and cache in str(error) else '')
+    return f"torch.compile failed{f' on rank {rank}' if world > 1 else ''} ({reason}): training eager instead{hint}"
 
 
 def is_compiler_error(error):
@@ -1439,7 +1443,7 @@ def main(argv=None):
             return 1
         if device.type == 'cuda':
             torch.backends.cudnn.benchmark = True  # fixed shapes: let cuDNN pick the fastest kernels
-        fp32_math = fp32_matmul_precision(device, dtype)
+        fp32_math = fp32_precision(device, dtype)
 
         flops = count_flops(hyp, len(data['train_images']), len(data['test_images']))
         peak = peak_tflops(device, dtype, args.peak_tflops)
