@@ -1,7 +1,7 @@
 """Tests for train_cifar10.py, CPU only. Each checks behaviour against an expectation computed
 independently of the code under test: by hand, with numpy, or from a property.
 
-Run: python -m pytest -q test_train.py
+Run: python -m pytest -q -rs test_train.py
 With CIFAR10_DIR pointing at a folder that holds cifar-10-batches-py/, also checks that copy.
 """
 import gzip
@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import tempfile
 import threading
 import time
 import types
@@ -32,6 +33,19 @@ import train_cifar10 as T
 
 SCRIPT = Path(__file__).resolve().parent / 'train_cifar10.py'
 torch.set_num_threads(2)
+
+# All that the suite writes, that of its subprocesses included (torchrun's torchelastic_* folders,
+# torch.compile's cache, pytest's tmp_path), goes into one folder, removed when the suite ends:
+# the temporary directory is left as it was found.
+SCRATCH = Path(tempfile.mkdtemp(prefix='test_train_'))
+os.environ['TMPDIR'] = str(SCRATCH)
+tempfile.tempdir = None  # tempfile.gettempdir() reads TMPDIR again
+
+
+@pytest.fixture(scope='session', autouse=True)
+def remove_scratch():
+    yield
+    shutil.rmtree(SCRATCH, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -660,8 +674,51 @@ def test_bf16_weight_decay_and_ema_move_as_the_fp32_formula_says():
 
 
 def test_t_quantile_matches_published_tables():
-    for df, t in [(1, 12.706), (2, 4.303), (9, 2.262), (49, 2.010), (1000, 1.962)]:
-        assert T.t_quantile(0.975, df) == pytest.approx(t, abs=1e-3)
+    for p, df, t in [(0.975, 1, 12.706), (0.975, 2, 4.303), (0.975, 9, 2.262), (0.975, 49, 2.010),
+                     (0.975, 1000, 1.962), (0.95, 5, 2.015), (0.995, 20, 2.845), (0.8, 10, 0.879),
+                     (0.9, 30, 1.310), (0.025, 9, -2.262), (0.5, 7, 0.0)]:
+        assert T.t_quantile(p, df) == pytest.approx(t, abs=1e-3)
+
+
+@pytest.mark.parametrize('t', [-1000.0, -12.706, -3.0, -0.5, 0.0, 0.7, 2.0, 30.0])
+def test_t_cdf_equals_its_closed_forms_for_1_2_and_4_degrees_of_freedom(t):
+    """df 1 is the Cauchy distribution; df 2 and 4 have closed forms too (u = t / sqrt(df + t^2))."""
+    u2, u4 = t / math.sqrt(2 + t * t), t / math.sqrt(4 + t * t)
+    for df, expected in [(1, 0.5 + math.atan(t) / math.pi), (2, 0.5 + u2 / 2), (4, 0.5 + 0.75 * (u4 - u4 ** 3 / 3))]:
+        assert T.t_cdf(t, df) == pytest.approx(expected, rel=1e-9, abs=1e-15)
+    # the tail is computed, not found as 1 - p: at t = -1000 and 1 degree of freedom it is 3.1831e-4
+    assert T.t_cdf(-1000.0, 1) == pytest.approx(1 / (1000 * math.pi), rel=1e-6)
+
+
+def test_welch_comparison_by_hand():
+    """Equal spread, 3 runs a side: df = 2 (3 - 1) = 4, se = sqrt(2 x 1e-4 / 3), t = 0.02 / se =
+    sqrt(6); the 95 % half width is 2.776 (the table's t at df 4) x se, and the p-value is
+    2 (1 - F(sqrt 6)) with F(t) = 1/2 + 3/4 (u - u^3 / 3), u = t / sqrt(4 + t^2) = sqrt(0.6):
+    p = 0.0705. Unequal spread and counts: va = 2e-4 / 2, vb = 2.5e-4 / 5, df = (va + vb)^2 /
+    (va^2 / 1 + vb^2 / 4) = 2.25 / 1.0625."""
+    w = T.welch(np.array([0.93, 0.94, 0.95]), np.array([0.95, 0.96, 0.97]))
+    se = math.sqrt(2e-4 / 3)
+    assert (w['diff'], w['se'], w['df']) == (pytest.approx(0.02), pytest.approx(se), pytest.approx(4))
+    assert w['ci95'] == (pytest.approx(0.02 - 2.776 * se, abs=1e-5), pytest.approx(0.02 + 2.776 * se, abs=1e-5))
+    u = math.sqrt(0.6)
+    assert w['p'] == pytest.approx(2 * (0.5 - 0.75 * (u - u ** 3 / 3)), rel=1e-9)
+    assert w['p'] == pytest.approx(0.0705, abs=1e-4)
+    w = T.welch(np.array([0.90, 0.92]), np.array([0.93, 0.94, 0.95, 0.96, 0.97]))
+    assert (w['diff'], w['df']) == (pytest.approx(0.04), pytest.approx(2.25 / 1.0625))
+
+
+def test_runs_for_80_percent_power_by_hand():
+    """A true difference of 0.02 with both sides spread 0.01. With n runs a side, se = 0.01
+    sqrt(2 / n) and df = 2 (n - 1); power is F_df(0.02 / se - t_0.975,df). n = 5: df 8, 3.162 -
+    2.306 = 0.856, below t_0.8,8 = 0.889 (the tables): power under 80 %. n = 6: df 10, 3.464 -
+    2.228 = 1.236, above t_0.8,10 = 0.879: over 80 %. So 6 (the exact noncentral t gives 0.79 and
+    0.88). A tenth of the difference needs about 100 times the runs: the normal approximation
+    (z_0.975 + z_0.8)^2 (0.01^2 + 0.01^2) / 0.002^2 = (1.960 + 0.842)^2 x 50 = 392.4, and the t's
+    heavier tails add a run or two (the exact noncentral t: 394)."""
+    assert T.runs_for_power(0.02, 0.01, 0.01) == 6
+    assert T.runs_for_power(-0.02, 0.01, 0.01) == 6
+    assert T.runs_for_power(0.002, 0.01, 0.01) in (393, 394, 395)
+    assert T.runs_for_power(1e-7, 0.01, 0.01) is None              # more than a million
 
 
 def test_summary_statistics_by_hand():
@@ -676,6 +733,33 @@ def test_summary_statistics_by_hand():
     assert s['reached_94'] == 2
     assert (s['time_mean_s'], s['time_median_s'], s['time_max_s']) == (4.0, 4.0, 5.0)
     assert s['cost_per_run_usd'] == pytest.approx(0.004)          # 4 s at $3.6 per hour
+
+
+def test_the_summary_of_one_run_says_what_it_has_in_plain_units():
+    runs = [dict(failed=False, accuracy=0.384, time_s=9.0)]
+    lines = T.summary_lines(T.summarize(runs, count_94=False, flops=6.75e9))
+    assert lines == ['runs: 1 finished', 'accuracy (flip-TTA, EMA): 38.40 % (one run: no standard deviation)',
+                     'time of the run: 9.00 s', 'achieved: 0.75 GFLOP/s of model FLOPs per run']
+
+
+def test_hyperparameters_are_printed_in_lines_a_terminal_shows_whole():
+    hyp = {**T.HYP, **T.TINY}
+    header = T.header_lines(hyp, dict(train_images=[0] * 3000, test_images=[0], provenance='x', digest='d'),
+                            torch.device('cpu'), torch.float32, 0, T.count_flops(hyp, 3000, 500), None, 1)
+    lines = [line for line in header if 'hyperparameters' in line or line.startswith('    ')]
+    assert all(len(line) <= 100 for line in lines) and len(lines) > 1
+    printed = re.sub(r'\s+', ' ', ' '.join(lines).replace('hyperparameters: ', ''))
+    assert printed == ', '.join(f'{k}={v}' for k, v in hyp.items())    # every item, once, in order
+    assert 'whitening_images=3000' in printed                     # --tiny whitens its 3,000 images
+
+
+def test_help_gives_examples_and_no_empty_defaults(capsys):
+    assert T.main(['--help']) == 0
+    out = capsys.readouterr().out
+    assert '(default: None)' not in out and '(default: False)' not in out
+    assert '(default: 512)' in out and '(default: 0)' in out       # a written default, a default of 0
+    assert 'examples:' in out and '--resume a.json' in out and '--compare a.json b.json' in out
+    assert 'holds its floor for the last 2' in out
 
 
 def test_table_columns_are_twelve_characters_wide():
@@ -948,7 +1032,7 @@ def test_fp32_precision_is_chosen_and_said(monkeypatch, device, dtype, tf32):
             assert torch.backends.cudnn.allow_tf32 == tf32
             assert torch.get_float32_matmul_precision() == ('high' if tf32 else 'highest')
             assert said == ('fp32 convolutions and matmuls in TF32' if tf32 else 'TF32 off')
-            header = T.header_lines(T.HYP, dict(train_images=[0], test_images=[0], provenance='x'),
+            header = T.header_lines(T.HYP, dict(train_images=[0], test_images=[0], provenance='x', digest='d'),
                                     torch.device('cpu'), dtype, 0, T.count_flops(T.TINY | T.HYP, 50000, 10000), None, 1, said)
             assert f'EMA fp32; {said})' in header[1]
     finally:
@@ -1115,24 +1199,178 @@ def test_ctrl_c_while_torch_is_imported_ends_quietly(tmp_path):
     assert result.returncode == 130 and result.stderr == '' and result.stdout == ''
 
 
-def test_results_are_on_disk_when_the_job_is_killed_mid_way(dataset, tmp_path):
+def without_times(run):
+    """A run's record less what the clock measured: what a deterministic CPU repeats exactly."""
+    times = ('time_s', 'train_time', 'valid_time', 'total_time')
+    return {k: [without_times(row) for row in v] if k == 'rows' else v for k, v in run.items() if k not in times}
+
+
+def test_a_job_killed_mid_way_keeps_its_results_and_resumes_where_it_stopped(dataset, tmp_path):
     paths = {name: tmp_path / name for name in ('r.json', 'r.tsv', 'ema.pt')}
-    job = subprocess.Popen([sys.executable, '-u', str(SCRIPT), '--tiny', '--epochs', '1', '--runs', '3',
-                            '--data-dir', str(dataset), '--json', str(paths['r.json']),
-                            '--log-tsv', str(paths['r.tsv']), '--save', str(paths['ema.pt'])],
-                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    job = ['--tiny', '--epochs', '1', '--runs', '3', '--data-dir', str(dataset),
+           '--log-tsv', str(paths['r.tsv']), '--save', str(paths['ema.pt'])]
+    killed = subprocess.Popen([sys.executable, '-u', str(SCRIPT), *job, '--json', str(paths['r.json'])],
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
-        for line in job.stdout:
+        for line in killed.stdout:
             if line.startswith('run 2/3'):                        # run 1 has finished
-                job.kill()                                        # no chance to clean up: SIGKILL
+                killed.kill()                                     # no chance to clean up: SIGKILL
                 break
     finally:
-        job.kill()
-        job.wait(timeout=60)
+        killed.kill()
+        killed.wait(timeout=60)
+        killed.stdout.close()
     report = json.loads(paths['r.json'].read_text())
     assert (report['runs_finished'], report['runs_requested']) == (1, 3) and len(report['runs']) == 1
     assert len(paths['r.tsv'].read_text().splitlines()) == 2      # the header and run 1's epoch
     assert torch.load(paths['ema.pt'])['run'] == 1
+
+    resumed = run_script(*job, '--resume', str(paths['r.json']))
+    assert resumed.returncode == 0, resumed.stderr
+    assert 'run(s) 1 read back, tables below; run(s) 2-3 run now' in resumed.stdout
+    assert 'run 1/3 (seed 0), read back from' in resumed.stdout
+    assert f"runs: 3 finished (1 read back from {paths['r.json']}, 2 run now)" in resumed.stdout
+    final = json.loads(paths['r.json'].read_text())
+    assert (final['runs_finished'], final['runs_requested']) == (3, 3)
+    assert final['runs'][0] == report['runs'][0]                  # the record written before the kill
+    assert len(paths['r.tsv'].read_text().splitlines()) == 4 and torch.load(paths['ema.pt'])['run'] == 3
+    (tmp_path / 'whole').mkdir()
+    whole = run_script(*[a.replace(str(tmp_path), str(tmp_path / 'whole')) for a in job],
+                       '--json', str(tmp_path / 'whole.json'))
+    assert whole.returncode == 0, whole.stderr
+    uninterrupted = json.loads((tmp_path / 'whole.json').read_text())['runs']
+    assert [without_times(r) for r in final['runs']] == [without_times(r) for r in uninterrupted]
+
+    text, modified = paths['r.json'].read_bytes(), paths['r.json'].stat().st_mtime_ns
+    again = run_script(*job, '--resume', str(paths['r.json']))
+    assert again.returncode == 0, again.stderr
+    assert 'every run has finished: nothing to train' in again.stdout and 'warm-up' not in again.stdout
+    assert 'runs: 3 finished (3 read back' in again.stdout and 'mean' in again.stdout
+    assert paths['r.json'].read_bytes() == text and paths['r.json'].stat().st_mtime_ns == modified
+
+
+@pytest.fixture(scope='module')
+def finished_job(dataset, tmp_path_factory):
+    """The --json file of a finished 2-run --tiny job of one epoch, and the options that made it."""
+    path = tmp_path_factory.mktemp('job') / 'job.json'
+    options = ['--tiny', '--epochs', '1', '--data-dir', str(dataset)]
+    assert T.main([*options, '--runs', '2', '--json', str(path)]) == 0
+    return path, options
+
+
+def no_training(monkeypatch):
+    """Every run's networks come from compiled_warm_up (the dtype's probe trains apart from it)."""
+    monkeypatch.setattr(T, 'compiled_warm_up', lambda *args, **kwargs: pytest.fail('it trained'))
+
+
+@pytest.mark.parametrize('key, value, message', [
+    ('script_sha256', '0123456789abcdef', 'script_sha256 (0123456789abcdef -> '),
+    ('hyperparameters', {'epochs': 2}, 'epochs (2 -> 1)'),
+    ('dtype', 'torch.float16', 'dtype (torch.float16 -> torch.float32)'),
+    ('device', 'NVIDIA H100 80GB HBM3, CUDA 12.8', 'device (NVIDIA H100 80GB HBM3, CUDA 12.8 -> CPU'),
+    ('ranks', 8, 'ranks (8 -> 1)'),
+    ('data', 'official CIFAR-10', 'data (official CIFAR-10 -> NOT the official'),
+    ('data_digest', '0000000000000000', 'data_digest (0000000000000000 -> '),
+    ('seed', 7, 'seed (7 -> 0)'),
+])
+def test_resume_refuses_a_different_job_and_leaves_its_file(finished_job, tmp_path, monkeypatch, capsys,
+                                                            key, value, message):
+    source, options = finished_job
+    job = json.loads(source.read_text())
+    job[key] = {**job[key], **value} if isinstance(value, dict) else value
+    path = tmp_path / 'other.json'
+    path.write_text(json.dumps(job))
+    text = path.read_bytes()
+    no_training(monkeypatch)
+    assert T.main([*options, '--runs', '3', '--resume', str(path)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f'error: --resume {path}: that job differs from this one in {message}') and '\n' not in err
+    assert path.read_bytes() == text
+
+
+@pytest.mark.parametrize('content, runs, message', [
+    (lambda text: text[:len(text) // 2], 3, r'is not whole JSON \(.* at line \d+ of \d+\)'),
+    (lambda text: '{"runs": []}', 3, 'is not a --json file of this version of train_cifar10.py'),
+    (lambda text: '[1, 2, 3]', 3, 'is not a --json file'),
+    (lambda text: text, 1, 'holds 2 finished runs, more than --runs 1'),
+    (None, 3, 'no such file'),
+])
+def test_resume_refuses_a_file_that_is_not_a_job_of_its_own_in_one_line(finished_job, tmp_path, monkeypatch,
+                                                                        capsys, content, runs, message):
+    source, options = finished_job
+    path = tmp_path / 'job.json'
+    if content:
+        path.write_text(content(source.read_text()))
+    text = path.read_bytes() if content else None
+    no_training(monkeypatch)
+    assert T.main([*options, '--runs', str(runs), '--resume', str(path)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f'error: --resume {path}') and re.search(message, err) and '\n' not in err
+    assert (path.read_bytes() if content else path.exists()) == (text if content else False)
+
+
+def test_resume_of_a_finished_job_prints_its_tables_and_summary_and_trains_nothing(finished_job, monkeypatch,
+                                                                                  capsys):
+    source, options = finished_job
+    text = source.read_bytes()
+    no_training(monkeypatch)
+    assert T.main([*options, '--runs', '2', '--resume', str(source)]) == 0
+    out = capsys.readouterr().out
+    assert 'run(s) 1-2 read back, tables below; every run has finished: nothing to train' in out
+    assert out.count(T.table_line(T.COLUMNS)) == 2 and f'runs: 2 finished (2 read back from {source}, 0 run now)' in out
+    accuracies = [r['accuracy'] for r in json.loads(text)['runs']]
+    assert f'mean {100 * np.mean(accuracies):.2f} %' in out
+    assert source.read_bytes() == text
+
+
+def job_with(path, accuracies, **changes):
+    """A copy of a real job's file with these final accuracies (None: a failed run) and settings."""
+    job = json.loads(path.read_text())
+    job.update(changes, runs=[dict(run=i + 1, seed=i, failed=a is None, rows=[], accuracy=a, time_s=1.0)
+                              for i, a in enumerate(accuracies)])
+    return job
+
+
+def test_compare_by_hand(finished_job, tmp_path, capsys):
+    """The example of test_welch_comparison_by_hand, as two jobs; B had cutout 8 and a failed run."""
+    source, _ = finished_job
+    a, b = tmp_path / 'a.json', tmp_path / 'b.json'
+    a.write_text(json.dumps(job_with(source, [0.93, 0.94, 0.95])))
+    hyperparameters = {**json.loads(source.read_text())['hyperparameters'], 'cutout': 8}
+    b.write_text(json.dumps(job_with(source, [0.95, None, 0.96, 0.97], hyperparameters=hyperparameters)))
+    assert T.main(['--compare', str(a), str(b)]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        f'A  {a}: 3 runs, final accuracy (flip-TTA, EMA) mean 94.00 %, standard deviation 1.00 %',
+        f'B  {b}: 3 runs (1 failed, left out), final accuracy (flip-TTA, EMA) mean 96.00 %, standard deviation 1.00 %',
+        'B differs from A in: cutout (0 -> 8)',
+        'B - A: +2.000 points, 95 % confidence interval [-0.267, +4.267] (Welch, 4.0 degrees of freedom), '
+        'p = 0.07 (two-sided)',
+        'the interval holds 0: no difference shown at the 5 % level',
+        '6 runs a side would find a true difference of 2.000 points 80 % of the time at the 5 % level']
+    b.write_text(json.dumps(job_with(source, [0.98, 0.99, 0.97])))  # +4 points: shown, p = 0.008
+    assert T.main(['--compare', str(a), str(b)]) == 0
+    out = capsys.readouterr().out
+    assert 'B differs from A in: nothing it records' in out and 'B is higher than A at the 5 % level' in out
+
+
+@pytest.mark.parametrize('changes, accuracies, message', [
+    (dict(data_digest='0000000000000000'), [0.95, 0.96], 'did not test on the same data \\(data_digest'),
+    (dict(test_images=123), [0.95, 0.96], 'did not test on the same data \\(test_images'),
+    (dict(data='official CIFAR-10'), [0.95, 0.96], 'did not test on the same data \\(data:'),
+    ({}, [0.95, None], 'has 1 finished run\\(s\\); a comparison needs at least 2 a side'),
+])
+def test_compare_refuses_what_cannot_be_compared_in_one_line(finished_job, tmp_path, capsys, changes, accuracies,
+                                                             message):
+    source, _ = finished_job
+    a, b = tmp_path / 'a.json', tmp_path / 'b.json'
+    a.write_text(json.dumps(job_with(source, [0.93, 0.94, 0.95])))
+    b.write_text(json.dumps(job_with(source, accuracies, **changes)))
+    assert T.main(['--compare', str(a), str(b)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith('error: --compare') and re.search(message, err) and '\n' not in err
+    b.write_text(b.read_text()[:100])
+    assert T.main(['--compare', str(a), str(b)]) == 1
+    assert f'error: --compare {b} is not whole JSON' in capsys.readouterr().err
 
 
 @pytest.mark.parametrize('option, path, message', [
@@ -1236,9 +1474,14 @@ def test_a_compile_that_cannot_compile_falls_back_to_eager_in_one_line(dataset):
 
 
 def compiler_failure(inner):
-    """What torch.compile raises when its backend fails: InductorError wraps the cause."""
-    from torch._inductor.exc import InductorError
-    return InductorError(inner, None)
+    """What torch.compile raises when its backend fails: InductorError wraps the cause (torch 2.4
+    and later), BackendCompilerFailed before."""
+    try:
+        from torch._inductor.exc import InductorError
+        return InductorError(inner, None)
+    except ImportError:
+        from torch._dynamo.exc import BackendCompilerFailed
+        return BackendCompilerFailed(lambda: None, inner)
 
 
 def test_a_damaged_compile_cache_is_named_in_the_fallback_line(dataset, monkeypatch, capsys):

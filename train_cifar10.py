@@ -1,8 +1,11 @@
 """Train a ResNet9 on CIFAR-10 to 94% in 10 epochs: David Page's recipe in one file.
 
-    python train_cifar10.py --epochs 10 --runs 50     # the recipe, 50 times, with a summary
-    python train_cifar10.py --tiny                    # proves an install in seconds on a CPU
-    torchrun --nproc_per_node=8 train_cifar10.py      # data-parallel over 8 GPUs, same results
+    python train_cifar10.py --tiny                                 # proves an install in seconds on a CPU
+    python train_cifar10.py --epochs 10 --runs 50 --json a.json    # the recipe, 50 times, with a summary
+    python train_cifar10.py --epochs 10 --runs 50 --resume a.json  # the same job, after a lost machine
+    python train_cifar10.py --epochs 10 --runs 50 --cutout 8 --json b.json   # a variant
+    python train_cifar10.py --compare a.json b.json                # is the variant better?
+    torchrun --nproc_per_node=8 train_cifar10.py                   # data-parallel over 8 GPUs, same results
 
 This is the final recipe of David Page's series "How to train your ResNet" (Myrtle.ai, 2018-19),
 which reached 94.1% mean test accuracy in 10 epochs (26 s on one V100) and topped DAWNBench:
@@ -87,9 +90,10 @@ HYP = dict(
 # --tiny: the same code path on a subset with a narrow network, so that a 2-core CPU finishes in
 # seconds and still learns well above chance. Its 184 steps are too few for the EMA's horizon at
 # 0.99 (~100 steps: the average would still hold the first, poor epochs), so its EMA uses 0.9
-# (~10 steps). 250 test images per batch fit a CPU's caches better than 1000.
+# (~10 steps). Its whitening sees all of its 3,000 images. 250 test images per batch fit a CPU's
+# caches better than 1000.
 TINY = dict(epochs=4, batch_size=64, train_images=3000, test_images=500, channels=(8, 16, 32, 64),
-            ema_momentum=0.9, eval_batch_size=250)
+            ema_momentum=0.9, whitening_images=3000, eval_batch_size=250)
 
 # Page's per-channel statistics of the CIFAR-10 training set, on the 0-255 scale.
 CIFAR10_MEAN = (125.31, 122.95, 113.87)
@@ -203,7 +207,11 @@ def ensure_cifar10(data_dir, url=None, md5=None):
     archive = data_dir / url.rsplit('/', 1)[-1]
     try:
         if not archive.exists():
-            download(url, archive, md5)
+            try:
+                download(url, archive, md5)
+            except UserError as e:  # a mistyped --data-dir is likelier than a network fault: say it first
+                check = ' (is that path right?)' if created else ''
+                raise UserError(f'no CIFAR-10 in --data-dir {data_dir}{check}; downloading it there failed: {e}') from None
         elif file_md5(archive) != md5:
             raise UserError(f'{archive} exists but its md5 is not {md5}: delete it to download again, '
                             f'or extract your copy so that {data_dir / BATCHES_DIR} exists')
@@ -283,9 +291,10 @@ def load_cifar10(folder):
                       'so accuracies below are not CIFAR-10 results')
     else:
         provenance = 'official CIFAR-10 (all six batch files match their published md5s)'
+    digest = hashlib.sha256(' '.join(b[2] for b in train + [test]).encode()).hexdigest()[:16]  # names this copy
     return dict(train_images=np.concatenate([b[0] for b in train]),
                 train_labels=np.concatenate([b[1] for b in train]),
-                test_images=test[0], test_labels=test[1], provenance=provenance)
+                test_images=test[0], test_labels=test[1], provenance=provenance, digest=digest)
 
 
 # =============================================================================================
@@ -899,23 +908,68 @@ def table_row(row):
     return table_line([row[c.replace(' ', '_')] for c in COLUMNS])
 
 
+def incomplete_beta(a, b, x):
+    """The regularised incomplete beta function I_x(a, b), by its continued fraction (Lentz's
+    method), which converges fast for x < (a + 1) / (a + b + 2); the symmetry
+    I_x(a, b) = 1 - I_(1-x)(b, a) brings every other x there."""
+    if x <= 0 or x >= 1:
+        return float(x >= 1)
+    if x > (a + 1) / (a + b + 2):
+        return 1 - incomplete_beta(b, a, 1 - x)
+    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)) / a
+    tiny = 1e-300
+    c, d, f = 1.0, 0.0, 1.0   # f = 1 / (1 + d1 / (1 + d2 / (1 + ...))), the fraction's terms d_m below
+    for i in range(400):
+        m = i // 2
+        if i == 0:
+            term = 1.0
+        elif i % 2:
+            term = -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))
+        else:
+            term = m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m))
+        d = 1 + term * d
+        d = 1 / (d if abs(d) > tiny else tiny)
+        c = 1 + term / c if abs(1 + term / c) > tiny else tiny
+        f *= c * d
+        if abs(c * d - 1) < 1e-15:
+            break
+    return front * (f - 1)
+
+
+def t_cdf(t, df):
+    """P(T <= t) for Student's t distribution with df (any positive real) degrees of freedom:
+    its tail is I_x(df/2, 1/2) / 2 with x = df / (df + t^2), computed directly (no 1 - p), so
+    small p-values keep their digits."""
+    tail = 0.5 * incomplete_beta(df / 2, 0.5, df / (df + t * t))
+    return 1 - tail if t > 0 else tail
+
+
 def t_quantile(p, df):
-    """Quantile p of Student's t distribution with df degrees of freedom (numpy only, no scipy):
-    bisection on the CDF, whose density is integrated by Simpson's rule."""
-    log_norm = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi)
-
-    def cdf(t):  # for t >= 0
-        x = np.linspace(0.0, t, 2001)
-        f = np.exp(log_norm - (df + 1) / 2 * np.log1p(x * x / df))
-        return 0.5 + t / 6000 * (f[0] + 4 * f[1:-1:2].sum() + 2 * f[2:-1:2].sum() + f[-1])
-
-    low, high = 0.0, 1.0
-    while cdf(high) < p:
+    """The t with t_cdf(t, df) = p, 0 < p < 1, by bisection."""
+    low, high = -1.0, 1.0
+    while t_cdf(low, df) > p:
+        low *= 2
+    while t_cdf(high, df) < p:
         high *= 2
-    for _ in range(60):
+    for _ in range(200):
         mid = (low + high) / 2
-        low, high = (mid, high) if cdf(mid) < p else (low, mid)
+        if mid in (low, high):
+            break
+        low, high = (mid, high) if t_cdf(mid, df) < p else (low, mid)
     return (low + high) / 2
+
+
+def items_in_lines(first, items, width=100):
+    """`first`, then comma-separated items, wrapped between items into lines of at most width
+    characters (unless one item is longer), the lines after the first indented by 4."""
+    lines, line = [], first
+    for i, item in enumerate(items):
+        item += ',' if i < len(items) - 1 else ''
+        if len(line) + 1 + len(item) > width and line.strip():
+            lines.append(line)
+            line = '   '
+        line += ' ' + item
+    return lines + [line]
 
 
 def header_lines(hyp, data, device, dtype, seed, flops, peak, world, fp32_math=None):
@@ -926,8 +980,8 @@ def header_lines(hyp, data, device, dtype, seed, flops, peak, world, fp32_math=N
     return [f'train_cifar10.py {script_hash()} | torch {torch.__version__} | {device_description(device)}{ranks}',
             f"dtype {str(dtype).replace('torch.', '')} (batch norm fp32, EMA fp32{'; ' + fp32_math if fp32_math else ''}) | seed {seed} | "
             f"{len(data['train_images'])} train / {len(data['test_images'])} test images",
-            'hyperparameters: ' + ', '.join(f'{k}={v}' for k, v in hyp.items()),
-            f"data: {data['provenance']}",
+            *items_in_lines('hyperparameters:', [f'{k}={v}' for k, v in hyp.items()]),
+            f"data: {data['provenance']} (files' digest {data['digest']})",
             f"model FLOPs: {flops['step'] / 1e12:.4g} TFLOP a training step x {flops['steps']} steps + "
             f"{flops['whitening'] / 1e12:.4g} whitening = {flops['run'] / 1e12:.4g} TFLOP a run (timed); "
             f"{flops['evaluation'] / 1e12:.4g} TFLOP an evaluation (not timed){peak}",
@@ -965,24 +1019,34 @@ def summarize(runs, gpu_price=None, count_94=True, flops=None, peak=None, world=
 
 
 def summary_lines(s):
-    lines = [f"runs: {s['finished']} finished, {s['failed']} failed (loss became NaN)"]
+    failed = f", {s['failed']} failed (the loss became NaN)" if s['failed'] else ''
+    read_back = (f" ({s['read_back']} read back from {s['resumed_from']}, {s['runs'] - s['read_back']} run now)"
+                 if s.get('read_back') else '')
+    lines = [f"runs: {s['finished']} finished{failed}{read_back}"]
     if not s['finished']:
         return lines + ['no run finished: no statistics']
-    std = f" ± {100 * s['acc_std']:.2f}" if 'acc_std' in s else ' (one run: no std)'
-    lines.append(f"accuracy (flip-TTA, EMA): mean {100 * s['acc_mean']:.2f}{std} %")
-    if 'acc_ci95' in s:
+    if s['finished'] == 1:
+        lines.append(f"accuracy (flip-TTA, EMA): {100 * s['acc_mean']:.2f} % (one run: no standard deviation)")
+        lines.append(f"time of the run: {s['time_mean_s']:.2f} s")
+    else:
+        lines.append(f"accuracy (flip-TTA, EMA): mean {100 * s['acc_mean']:.2f} %, "
+                     f"standard deviation {100 * s['acc_std']:.2f} %")
         low, high = s['acc_ci95']
         lines.append(f'95% confidence interval of the mean: [{100 * low:.2f}, {100 * high:.2f}] %')
-    reached = f";  runs >= 94%: {s['reached_94']} of {s['finished']}" if 'reached_94' in s else ''
-    lines.append(f"min / median / max: {100 * s['acc_min']:.2f} / {100 * s['acc_median']:.2f} / "
-                 f"{100 * s['acc_max']:.2f} %{reached}")
-    lines.append(f"time per run: mean {s['time_mean_s']:.2f} s, median {s['time_median_s']:.2f} s, "
-                 f"max {s['time_max_s']:.2f} s")
+        reached = f";  runs >= 94%: {s['reached_94']} of {s['finished']}" if 'reached_94' in s else ''
+        lines.append(f"min / median / max: {100 * s['acc_min']:.2f} / {100 * s['acc_median']:.2f} / "
+                     f"{100 * s['acc_max']:.2f} %{reached}")
+        lines.append(f"time per run: mean {s['time_mean_s']:.2f} s, median {s['time_median_s']:.2f} s, "
+                     f"max {s['time_max_s']:.2f} s")
+    if 'reached_94' in s and s['finished'] == 1:
+        lines.append(f"reached 94%: {'yes' if s['reached_94'] else 'no'}")
     if 'cost_per_run_usd' in s:
         lines.append(f"cost per run: ${s['cost_per_run_usd']:.5f}")
     if 'tflops_per_s' in s:
         mfu = f", model-FLOP utilisation {100 * s['mfu']:.1f} %" if 'mfu' in s else ''
-        lines.append(f"achieved: {s['tflops_per_s']:.2f} TFLOP/s of model FLOPs per run{mfu}")
+        rate = (f"{s['tflops_per_s']:.2f} TFLOP/s" if s['tflops_per_s'] >= 1 else
+                f"{1000 * s['tflops_per_s']:.3g} GFLOP/s")
+        lines.append(f"achieved: {rate} of model FLOPs per run{mfu}")
     if 'peak_memory_gb' in s:
         lines.append(f"peak GPU memory: {s['peak_memory_gb']:.2f} GB")
     return lines
@@ -1141,13 +1205,177 @@ class Progress:
 
 
 # =============================================================================================
+# A job on disk: resume one that was lost, compare two
+# =============================================================================================
+# What makes a job's runs comparable with another's; --resume refuses to mix runs that differ in
+# any of these, --compare shows which differ and refuses only different test data.
+JOB_KEYS = ('script_sha256', 'hyperparameters', 'dtype', 'device', 'ranks', 'data', 'data_digest',
+            'test_images', 'seed')
+RUN_KEYS = {'run', 'seed', 'failed', 'rows', 'accuracy', 'time_s'}
+
+
+def read_job(path, option):
+    """The --json file of a job of this script, read (never written); else a one-line UserError."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise UserError(f'{option} {path}: no such file') from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f'{option} {path} cannot be read ({e}); left as it is') from None
+    try:
+        job = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise UserError(f'{option} {path} is not whole JSON ({e.msg} at line {e.lineno} of '
+                        f'{text.count(chr(10)) + 1}): cut short, or not a --json file; left as it is') from None
+    runs = job.get('runs') if isinstance(job, dict) else None
+    if not (isinstance(runs, list) and set(JOB_KEYS) <= job.keys()
+            and all(isinstance(r, dict) and RUN_KEYS <= r.keys() for r in runs)):
+        raise UserError(f'{option} {path} is not a --json file of this version of train_cifar10.py; '
+                        'left as it is')
+    return job
+
+
+def job_differences(a, b, keys=JOB_KEYS):
+    """'name (in a -> in b)' for each setting of two jobs that differs, hyperparameters one by one."""
+    def short(v):
+        return str(v) if len(str(v)) <= 40 else str(v)[:37] + '...'
+    a, b = json_ready(a), json_ready(b)  # tuples as lists, as a JSON file holds them
+    differences = []
+    for key in keys:
+        if key == 'hyperparameters':
+            ha, hb = a[key], b[key]
+            differences += [f'{k} ({short(ha.get(k))} -> {short(hb.get(k))})'
+                            for k in list(ha) + [k for k in hb if k not in ha] if ha.get(k) != hb.get(k)]
+        elif a.get(key) != b.get(key):
+            differences.append(f'{key} ({short(a.get(key))} -> {short(b.get(key))})')
+    return differences
+
+
+def resumed_runs(job, path, context, runs_requested):
+    """The finished runs of the job read from path, which must be this job: the same settings, on
+    the same kind of device, data and number of ranks, with at most runs_requested runs."""
+    differences = job_differences(job, context)
+    if differences:
+        raise UserError(f"--resume {path}: that job differs from this one in {', '.join(differences)} "
+                        '(that job -> this one); resume it with its own options, on its kind of device')
+    runs = job['runs']
+    if len(runs) > runs_requested:
+        raise UserError(f'--resume {path} holds {len(runs)} finished runs, more than --runs {runs_requested}')
+    if [(r['run'], r['seed']) for r in runs] != [(i + 1, context['seed'] + i) for i in range(len(runs))]:
+        raise UserError(f'--resume {path}: its runs are not runs 1-{len(runs)} with seeds from {context["seed"]}')
+    return runs
+
+
+def read_back_lines(runs, path, runs_requested):
+    """What --resume prints of the runs it read back: which they are, then their tables."""
+    lines = [f'\n--resume {path}: run(s) {span(1, len(runs))} read back, tables below; ' +
+             (f'run(s) {span(len(runs) + 1, runs_requested)} run now' if len(runs) < runs_requested else
+              'every run has finished: nothing to train')]
+    for run in runs:
+        lines += [f"\nrun {run['run']}/{runs_requested} (seed {run['seed']}), read back from {path}",
+                  table_line(COLUMNS), *[table_row(row) for row in run['rows']]]
+        if run['failed']:
+            lines.append(f"run {run['run']} FAILED: the loss became NaN in epoch {len(run['rows'])}")
+    return lines
+
+
+def span(first, last):
+    """'3' or '3-7': runs first to last."""
+    return f'{first}' if first == last else f'{first}-{last}'
+
+
+def welch(a, b):
+    """Welch's comparison of the means of two samples: the difference b - a, its standard error,
+    degrees of freedom (Welch-Satterthwaite), 95 % confidence interval and two-sided p-value."""
+    va, vb = np.var(a, ddof=1) / len(a), np.var(b, ddof=1) / len(b)
+    diff, se = float(np.mean(b) - np.mean(a)), math.sqrt(va + vb)
+    df = (va + vb) ** 2 / (va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1))
+    half_width = t_quantile(0.975, df) * se
+    p = 2 * t_cdf(-abs(diff) / se, df)
+    return dict(diff=diff, se=se, df=df, ci95=(diff - half_width, diff + half_width), p=p)
+
+
+def runs_for_power(diff, std_a, std_b, power=0.8, alpha=0.05, most=10 ** 6):
+    """Runs per side for a two-sided Welch test at level alpha to find a true difference diff with
+    the given power, when the two sides spread as std_a and std_b. The power of n runs a side is
+    the chance that the t statistic, centred on diff / se(n), passes the critical value: the usual
+    approximation of the noncentral t by a shifted central t, which leaves out the chance of
+    passing the other critical value (< 0.001 at 80 % power). None if more than `most` are needed."""
+    def enough(n):
+        se = math.sqrt((std_a ** 2 + std_b ** 2) / n)
+        df = (std_a ** 2 + std_b ** 2) ** 2 / ((std_a ** 4 + std_b ** 4) / (n - 1))
+        return t_cdf(abs(diff) / se - t_quantile(1 - alpha / 2, df), df) >= power
+
+    if not enough(most):
+        return None
+    low, high = 1, 2  # power grows with n: find the first n that is enough by doubling, then halving
+    while not enough(high):
+        low, high = high, 2 * high
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if not enough(mid) else (low, mid)
+    return high
+
+
+def compare_lines(path_a, path_b):
+    """The report of --compare: each job's final accuracies, then B - A with Welch's interval and
+    p-value, and the runs per side that would resolve a difference of that size."""
+    jobs = {'A': (path_a, read_job(path_a, '--compare')), 'B': (path_b, read_job(path_b, '--compare'))}
+    (_, a), (_, b) = jobs.values()
+    for key in ('data', 'data_digest', 'test_images'):
+        if a[key] != b[key]:
+            raise UserError(f'--compare: the two jobs did not test on the same data ({key}: {a[key]} -> {b[key]}); '
+                            'their accuracies are not comparable')
+    acc, lines = {}, []
+    for side, (path, job) in jobs.items():
+        acc[side] = np.array([r['accuracy'] for r in job['runs'] if not r['failed']])
+        failed = len(job['runs']) - len(acc[side])
+        if len(acc[side]) < 2:
+            raise UserError(f'--compare: {path} has {len(acc[side])} finished run(s); a comparison needs '
+                            'at least 2 a side (the spread of one run is unknown)')
+        lines.append(f'{side}  {path}: {len(acc[side])} runs' + (f' ({failed} failed, left out)' if failed else '') +
+                     f', final accuracy (flip-TTA, EMA) mean {100 * acc[side].mean():.2f} %, '
+                     f'standard deviation {100 * acc[side].std(ddof=1):.2f} %')
+    differences = job_differences(a, b, [k for k in JOB_KEYS if k != 'seed'])
+    lines.append('B differs from A in: ' + (', '.join(differences) if differences else 'nothing it records'))
+    w = welch(acc['A'], acc['B'])
+    if w['se'] == 0:
+        return lines + ['both sides repeat one accuracy: no spread, no test']
+    low, high = w['ci95']
+    lines.append(f"B - A: {100 * w['diff']:+.3f} points, 95 % confidence interval [{100 * low:+.3f}, {100 * high:+.3f}] "
+                 f"(Welch, {w['df']:.1f} degrees of freedom), p = {w['p']:.2g} (two-sided)")
+    verdict = ('the interval holds 0: no difference shown at the 5 % level' if low <= 0 <= high else
+               f"B is {'higher' if w['diff'] > 0 else 'lower'} than A at the 5 % level")
+    n = runs_for_power(w['diff'], acc['A'].std(ddof=1), acc['B'].std(ddof=1))
+    if w['diff'] == 0:
+        need = 'the means are equal: there is no difference to resolve'
+    else:
+        need = (f"{n} runs a side" if n else 'more than 100,000 runs a side') + \
+               f" would find a true difference of {100 * abs(w['diff']):.3f} points 80 % of the time at the 5 % level"
+    return lines + [verdict, need]
+
+
+# =============================================================================================
 # Main
 # =============================================================================================
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """--help with each option's default where the help text does not already say it."""
+
+    def _get_help_string(self, action):
+        text = action.help
+        if not any(action.default is v for v in (None, False, argparse.SUPPRESS)) and 'default' not in text:
+            text += ' (default: %(default)s)'
+        return text
+
+
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__.split('\n')[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    examples = __doc__.split('\n\n')[1]  # the usage lines at the top of this file
+    p = argparse.ArgumentParser(description=__doc__.split('\n')[0], formatter_class=HelpFormatter,
+                                epilog=f'examples:\n{examples}\n\nREADME.md says more.')
     p.add_argument('--epochs', type=int, default=HYP['epochs'],
-                   help='training epochs; the lr schedule stretches with them')
+                   help=f"training epochs; the lr peaks at a fifth of them and holds its floor for the last "
+                        f"{HYP['floor_epochs']}")
     p.add_argument('--runs', type=int, default=1, help='independent runs (seeds seed, seed+1, ...)')
     p.add_argument('--batch-size', type=int, default=HYP['batch_size'],
                    help=f"images per step, a multiple of {HYP['bn_split_size']} (the ghost batch-norm split)")
@@ -1155,7 +1383,7 @@ def parse_args(argv):
                    help=f'holds {BATCHES_DIR}/ (or is that folder), downloaded if missing')
     p.add_argument('--data-url', default=os.environ.get('CIFAR10_URL') or CIFAR10_URL,
                    help='where to download the archive from (a mirror; also the CIFAR10_URL environment '
-                        'variable); its md5 must be the official one')
+                        'variable); its md5 must be the official one; default: the official address')
     p.add_argument('--device', default='auto', help='auto (cuda, then mps, then cpu), cuda, cuda:N, mps, cpu')
     p.add_argument('--dtype', default='auto', choices=['auto', 'fp16', 'bf16', 'fp32'],
                    help='precision of everything but batch norm; auto: fp16 on cuda, fp32 elsewhere')
@@ -1169,6 +1397,11 @@ def parse_args(argv):
                    help="write a DAWNBench TSV (epoch, hours, top1Accuracy); one block of rows per run")
     p.add_argument('--save', metavar='PATH',
                    help="save the last finished run's EMA model, with what it takes to rebuild it")
+    p.add_argument('--resume', metavar='PATH',
+                   help='continue the job whose --json file this is: its finished runs are read back, the rest '
+                        'run, and the file is updated after each (give the same options as that job)')
+    p.add_argument('--compare', nargs=2, metavar=('A.json', 'B.json'),
+                   help="compare two jobs' --json files (B - A, Welch's t); trains nothing")
     p.add_argument('--gpu-price', type=float, metavar='USD_PER_HOUR', help='also report the cost per run')
     p.add_argument('--compile', action=argparse.BooleanOptionalAction, default=None,
                    help='torch.compile the training and evaluation passes (outside the timed runs); '
@@ -1362,20 +1595,30 @@ def compile_failure_line(error, rank, world):
     """The one line that says a compilation failed (error is None: on another rank) and why."""
     if error is None:
         return 'torch.compile failed on another rank (its line says why): every rank trains eager instead'
-    reason = f'{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ""}'[:200]
+    chain = exception_chain(error, implicit=False)
+    root = chain[-1]  # the wrappers' own first lines vary with the torch version ("backend='inductor' raised:")
+    reason = f'{type(root).__name__}: {str(root).strip().splitlines()[0] if str(root).strip() else ""}'[:200]
     cache = inductor_cache()
     hint = (f'; {cache} may hold a file of an interrupted compilation: delete it to compile again'
-            if cache and cache in str(error) else '')
+            if cache and any(cache in str(e) for e in chain) else '')
     return f"torch.compile failed{f' on rank {rank}' if world > 1 else ''} ({reason}): training eager instead{hint}"
+
+
+def exception_chain(error, implicit=True):
+    """error and what it wraps, outermost first: torch.compile's inner_exception, the cause
+    (raise ... from) and, if implicit, the exception being handled when it was raised."""
+    chain = []
+    while error is not None and len(chain) < 32:
+        chain.append(error)
+        error = (getattr(error, 'inner_exception', None) or error.__cause__
+                 or (error.__context__ if implicit else None))
+    return chain
 
 
 def is_compiler_error(error):
     """Whether an exception is torch.compile's own failure, which eager training would not meet.
     Out-of-memory and distributed errors are not, even when the compiler wraps them."""
-    chain = []
-    while error is not None and len(chain) < 32:
-        chain.append(error)
-        error = getattr(error, 'inner_exception', None) or error.__cause__ or error.__context__
+    chain = exception_chain(error)
     if any(isinstance(e, (torch.cuda.OutOfMemoryError, dist.DistError)) for e in chain):
         return False
     from torch._dynamo.exc import TorchDynamoException  # imported by torch.compile's first call
@@ -1392,17 +1635,23 @@ def failed_on_any_rank(failed, device):
 
 
 def inductor_cache():
-    """The folder where torch.compile keeps what it built, or None if this torch does not say."""
+    """The folder where torch.compile keeps what it built (its function moved in torch 2.4), or None."""
     try:
         from torch._inductor.runtime.cache_dir_utils import cache_dir
-        return cache_dir()
-    except (ImportError, AttributeError):
-        return None
+    except ImportError:
+        try:
+            from torch._inductor.utils import cache_dir  # torch 2.3
+        except ImportError:
+            return None
+    return cache_dir()
 
 
-def summary_so_far(runs, args, device, flops=None, peak=None, world=1):
-    """The summary of the finished runs, with the runs' peak GPU memory on CUDA."""
+def summary_so_far(runs, args, device, flops=None, peak=None, world=1, read_back=0):
+    """The summary of the finished runs, with how many were read back by --resume, and the runs'
+    peak GPU memory on CUDA."""
     summary = summarize(runs, args.gpu_price, count_94=not args.tiny, flops=flops, peak=peak, world=world)
+    if args.resume:
+        summary.update(read_back=read_back, resumed_from=args.resume)
     if device.type == 'cuda':
         summary['peak_memory_gb'] = torch.cuda.max_memory_allocated(device) / 1e9
     return summary
@@ -1421,14 +1670,23 @@ def main(argv=None):
         args = parse_args(argv)
     except SystemExit as e:  # a usage error (2) or --help (0): a status, also in a notebook
         return e.code
+    if args.compare:
+        try:
+            print('\n'.join(compare_lines(*args.compare)))
+            return 0
+        except UserError as e:
+            print(f'error: {e}', file=sys.stderr)
+            return 1
+    args.json = args.json or args.resume  # a resumed job goes on writing its own file
     hyp = {**HYP, **(TINY if args.tiny else {}),
            'epochs': args.epochs, 'batch_size': args.batch_size, 'cutout': args.cutout}
     rank, local_rank, world = torchrun_ranks()
     log = print if rank == 0 else (lambda *_, **__: None)
-    runs, device = [], None
+    runs, read_back, device = [], [], None
     try:
         try:
             check_options(args, hyp, world)
+            job = read_job(args.resume, '--resume') if args.resume else None  # a bad file: refused before any work
             device = pick_device(args.device, local_rank if world > 1 else None)
             compile, channels_last = speed_settings(args, device)
             dtype = pick_dtype(args.dtype, device, channels_last)
@@ -1438,19 +1696,25 @@ def main(argv=None):
                 dist.init_process_group('nccl' if device.type == 'cuda' else 'gloo',
                                         device_id=device if device.type == 'cuda' else None)
             data = prepare_data(args, hyp, local_rank, world)
+            fp32_math = fp32_precision(device, dtype)
+            flops = count_flops(hyp, len(data['train_images']), len(data['test_images']))
+            peak = peak_tflops(device, dtype, args.peak_tflops)
+            context = dict(script_sha256=script_hash(), torch=torch.__version__, device=device_description(device),
+                           ranks=world, dtype=str(dtype), fp32_math=fp32_math, hyperparameters=hyp, seed=args.seed,
+                           data=data['provenance'], data_digest=data['digest'],
+                           train_images=len(data['train_images']), test_images=len(data['test_images']),
+                           channels_last=channels_last, flops=flops, peak_tflops=peak)
+            read_back = resumed_runs(job, args.resume, context, args.runs) if job else []
         except UserError as e:  # torchrun stops the other ranks when one exits with an error
             print(f"error{f' (rank {rank})' if world > 1 else ''}: {e}", file=sys.stderr)
             return 1
         if device.type == 'cuda':
             torch.backends.cudnn.benchmark = True  # fixed shapes: let cuDNN pick the fastest kernels
-        fp32_math = fp32_precision(device, dtype)
 
-        flops = count_flops(hyp, len(data['train_images']), len(data['test_images']))
-        peak = peak_tflops(device, dtype, args.peak_tflops)
         log('\n'.join(header_lines(hyp, data, device, dtype, args.seed, flops, peak, world, fp32_math)))
-        context = dict(script_sha256=script_hash(), torch=torch.__version__, device=device_description(device),
-                       ranks=world, dtype=str(dtype), fp32_math=fp32_math, hyperparameters=hyp, data=data['provenance'],
-                       channels_last=channels_last, flops=flops, peak_tflops=peak)
+        if read_back:
+            log('\n'.join(read_back_lines(read_back, args.resume, args.runs)))
+            runs = list(read_back)
         progress = Progress(enabled=rank == 0 and sys.stderr.isatty())
 
         def on_step(label, epochs):
@@ -1461,15 +1725,16 @@ def main(argv=None):
             progress.clear()
             log(table_row(row), flush=True)
 
-        log(f"\n{'compilation, then ' if compile else ''}warm-up: an untimed run of 2 steps and 2 evaluation "
-            'batches takes the one-off costs', flush=True)
-        networks, compile = compiled_warm_up(data, hyp, device, dtype, compile, channels_last,
-                                             on_step('warm-up', 1), log)
-        context['compiled'] = compile
-        progress.clear()
+        if len(runs) < args.runs:
+            log(f"\n{'compilation, then ' if compile else ''}warm-up: an untimed run of 2 steps and 2 evaluation "
+                'batches takes the one-off costs', flush=True)
+            networks, compile = compiled_warm_up(data, hyp, device, dtype, compile, channels_last,
+                                                 on_step('warm-up', 1), log)
+            context['compiled'] = compile
+            progress.clear()
         if device.type == 'cuda':
             torch.cuda.reset_peak_memory_stats(device)  # the runs' peak, not the probe's or warm-up's
-        for run in range(args.runs):
+        for run in range(len(runs), args.runs):
             log(f'\nrun {run + 1}/{args.runs} (seed {args.seed + run})')
             log(table_line(COLUMNS), flush=True)
             rows = train_run(data, networks, hyp, device, args.seed + run, on_epoch,
@@ -1480,8 +1745,8 @@ def main(argv=None):
             runs.append(dict(run=run + 1, seed=args.seed + run, failed=failed, rows=rows,
                              accuracy=rows[-1]['valid_acc'], time_s=rows[-1]['total_time']))
             if rank == 0:
-                write_results(args, context, runs, summary_so_far(runs, args, device, flops['run'], peak, world),
-                              None if failed else networks.ema, hyp)
+                summary = summary_so_far(runs, args, device, flops['run'], peak, world, len(read_back))
+                write_results(args, context, runs, summary, None if failed else networks.ema, hyp)
     except KeyboardInterrupt:
         if sys.stderr.isatty():
             print('\r\033[K', end='', file=sys.stderr)  # wipe a progress line
@@ -1490,7 +1755,7 @@ def main(argv=None):
         if dist.is_initialized():
             dist.destroy_process_group()
     if runs:
-        summary = summary_so_far(runs, args, device, flops['run'], peak, world)
+        summary = summary_so_far(runs, args, device, flops['run'], peak, world, len(read_back))
         log('\n' + '\n'.join(summary_lines(summary)))
     if len(runs) < args.runs:
         return 130  # the shell's code for Ctrl-C
