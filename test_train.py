@@ -4,6 +4,7 @@ independently of the code under test: by hand, with numpy, or from a property.
 Run: python -m pytest -q -rs test_train.py
 With CIFAR10_DIR pointing at a folder that holds cifar-10-batches-py/, also checks that copy.
 """
+import atexit
 import gzip
 import hashlib
 import http.server
@@ -40,12 +41,7 @@ torch.set_num_threads(2)
 SCRATCH = Path(tempfile.mkdtemp(prefix='test_train_'))
 os.environ['TMPDIR'] = str(SCRATCH)
 tempfile.tempdir = None  # tempfile.gettempdir() reads TMPDIR again
-
-
-@pytest.fixture(scope='session', autouse=True)
-def remove_scratch():
-    yield
-    shutil.rmtree(SCRATCH, ignore_errors=True)
+atexit.register(shutil.rmtree, SCRATCH, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -688,6 +684,9 @@ def test_t_cdf_equals_its_closed_forms_for_1_2_and_4_degrees_of_freedom(t):
         assert T.t_cdf(t, df) == pytest.approx(expected, rel=1e-9, abs=1e-15)
     # the tail is computed, not found as 1 - p: at t = -1000 and 1 degree of freedom it is 3.1831e-4
     assert T.t_cdf(-1000.0, 1) == pytest.approx(1 / (1000 * math.pi), rel=1e-6)
+    # many degrees of freedom: the normal distribution's table, Phi(2) = 0.97725 (t at df 2e5 is
+    # above it by 7e-7)
+    assert T.t_cdf(2.0, 2e5) == pytest.approx(0.97725, abs=2e-6)
 
 
 def test_welch_comparison_by_hand():
@@ -717,8 +716,8 @@ def test_runs_for_80_percent_power_by_hand():
     heavier tails add a run or two (the exact noncentral t: 394)."""
     assert T.runs_for_power(0.02, 0.01, 0.01) == 6
     assert T.runs_for_power(-0.02, 0.01, 0.01) == 6
-    assert T.runs_for_power(0.002, 0.01, 0.01) in (393, 394, 395)
-    assert T.runs_for_power(1e-7, 0.01, 0.01) is None              # more than a million
+    assert T.runs_for_power(0.002, 0.01, 0.01) == 394
+    assert T.runs_for_power(1e-7, 0.01, 0.01) is None              # more than 100,000
 
 
 def test_summary_statistics_by_hand():
@@ -1227,7 +1226,7 @@ def test_a_job_killed_mid_way_keeps_its_results_and_resumes_where_it_stopped(dat
 
     resumed = run_script(*job, '--resume', str(paths['r.json']))
     assert resumed.returncode == 0, resumed.stderr
-    assert 'run(s) 1 read back, tables below; run(s) 2-3 run now' in resumed.stdout
+    assert 'run 1 read back, tables below; runs 2-3 to run now' in resumed.stdout
     assert 'run 1/3 (seed 0), read back from' in resumed.stdout
     assert f"runs: 3 finished (1 read back from {paths['r.json']}, 2 run now)" in resumed.stdout
     final = json.loads(paths['r.json'].read_text())
@@ -1316,11 +1315,27 @@ def test_resume_of_a_finished_job_prints_its_tables_and_summary_and_trains_nothi
     no_training(monkeypatch)
     assert T.main([*options, '--runs', '2', '--resume', str(source)]) == 0
     out = capsys.readouterr().out
-    assert 'run(s) 1-2 read back, tables below; every run has finished: nothing to train' in out
-    assert out.count(T.table_line(T.COLUMNS)) == 2 and f'runs: 2 finished (2 read back from {source}, 0 run now)' in out
+    assert 'runs 1-2 read back, tables below; every run has finished: nothing to train' in out
+    assert out.count(T.table_line(T.COLUMNS)) == 2 and f'runs: 2 finished (2 read back from {source})\n' in out
     accuracies = [r['accuracy'] for r in json.loads(text)['runs']]
     assert f'mean {100 * np.mean(accuracies):.2f} %' in out
     assert source.read_bytes() == text
+
+
+def test_resume_reads_back_a_failed_run_as_failed(finished_job, tmp_path, monkeypatch, capsys):
+    """A run whose loss became NaN is written with nulls (JSON has no NaN); read back, its table
+    shows nan, it stays failed, and the job's status is 1."""
+    source, options = finished_job
+    job = json.loads(source.read_text())
+    job['runs'][1].update(failed=True, accuracy=None)
+    job['runs'][1]['rows'][-1].update(train_loss=None, valid_loss=None)
+    path = tmp_path / 'job.json'
+    path.write_text(json.dumps(job))
+    no_training(monkeypatch)
+    assert T.main([*options, '--runs', '2', '--resume', str(path)]) == 1
+    out = capsys.readouterr().out
+    assert 'run 2 FAILED: the loss became NaN in epoch 1' in out and 'runs: 1 finished, 1 failed' in out
+    assert out.count('         nan') == 2                                   # train and valid loss
 
 
 def job_with(path, accuracies, **changes):
@@ -1351,6 +1366,9 @@ def test_compare_by_hand(finished_job, tmp_path, capsys):
     assert T.main(['--compare', str(a), str(b)]) == 0
     out = capsys.readouterr().out
     assert 'B differs from A in: nothing it records' in out and 'B is higher than A at the 5 % level' in out
+    b.write_text(json.dumps(job_with(source, [0.93 + 1e-7, 0.94 + 1e-7, 0.95 + 1e-7])))
+    assert T.main(['--compare', str(a), str(b)]) == 0
+    assert 'the interval holds 0' in (out := capsys.readouterr().out) and 'more than 100,000 runs a side' in out
 
 
 @pytest.mark.parametrize('changes, accuracies, message', [

@@ -900,8 +900,9 @@ COLUMNS = ('epoch', 'lr', 'train time', 'train loss', 'train acc',
 
 
 def table_line(values):
-    """One line of 12-character right-aligned columns; floats with 4 decimals."""
-    return ''.join(f'{v:>12.4f}' if isinstance(v, float) else f'{v:>12}' for v in values)
+    """One line of 12-character right-aligned columns; floats with 4 decimals. None is a NaN read
+    back from a JSON file, which has no NaN."""
+    return ''.join(f'{v:>12.4f}' if isinstance(v, float) else f'{"nan" if v is None else v:>12}' for v in values)
 
 
 def table_row(row):
@@ -909,31 +910,34 @@ def table_row(row):
 
 
 def incomplete_beta(a, b, x):
-    """The regularised incomplete beta function I_x(a, b), by its continued fraction (Lentz's
-    method), which converges fast for x < (a + 1) / (a + b + 2); the symmetry
-    I_x(a, b) = 1 - I_(1-x)(b, a) brings every other x there."""
+    """The regularised incomplete beta function I_x(a, b) by its continued fraction
+    I_x(a, b) = x^a (1 - x)^b / (a B(a, b)) / (1 + d1 / (1 + d2 / (1 + ...))), evaluated with
+    Lentz's method. The fraction converges fast for x < (a + 1) / (a + b + 2); above that the
+    symmetry I_x(a, b) = 1 - I_(1-x)(b, a) brings x there."""
     if x <= 0 or x >= 1:
         return float(x >= 1)
-    if x > (a + 1) / (a + b + 2):
-        return 1 - incomplete_beta(b, a, 1 - x)
+    mirrored = x > (a + 1) / (a + b + 2)
+    if mirrored:
+        a, b, x = b, a, 1 - x
     front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)) / a
-    tiny = 1e-300
-    c, d, f = 1.0, 0.0, 1.0   # f = 1 / (1 + d1 / (1 + d2 / (1 + ...))), the fraction's terms d_m below
-    for i in range(400):
-        m = i // 2
-        if i == 0:
-            term = 1.0
-        elif i % 2:
-            term = -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))
-        else:
+    tiny = 1e-300  # keeps Lentz's ratios finite when a partial denominator is zero
+    c, d = 1.0, 1 / (1 - (a + b) * x / (a + 1))  # the fraction's first term, d1
+    fraction = d
+    for i in range(1, 10000):
+        m = i // 2 if i % 2 == 0 else i // 2 + 1  # d_2m and d_2m+1 alternate: even and odd terms
+        if i % 2:
             term = m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m))
-        d = 1 + term * d
-        d = 1 / (d if abs(d) > tiny else tiny)
+        else:
+            term = -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))
+        d = 1 / (1 + term * d if abs(1 + term * d) > tiny else tiny)
         c = 1 + term / c if abs(1 + term / c) > tiny else tiny
-        f *= c * d
+        fraction *= c * d
         if abs(c * d - 1) < 1e-15:
             break
-    return front * (f - 1)
+    else:
+        raise ArithmeticError(f'the incomplete beta fraction did not converge for a={a}, b={b}, x={x}')
+    value = front * fraction
+    return 1 - value if mirrored else value
 
 
 def t_cdf(t, df):
@@ -1020,7 +1024,8 @@ def summarize(runs, gpu_price=None, count_94=True, flops=None, peak=None, world=
 
 def summary_lines(s):
     failed = f", {s['failed']} failed (the loss became NaN)" if s['failed'] else ''
-    read_back = (f" ({s['read_back']} read back from {s['resumed_from']}, {s['runs'] - s['read_back']} run now)"
+    ran = s['runs'] - s.get('read_back', 0)
+    read_back = (f" ({s['read_back']} read back from {s['resumed_from']}" + (f', {ran} run now)' if ran else ')')
                  if s.get('read_back') else '')
     lines = [f"runs: {s['finished']} finished{failed}{read_back}"]
     if not s['finished']:
@@ -1209,7 +1214,7 @@ class Progress:
 # =============================================================================================
 # What makes a job's runs comparable with another's; --resume refuses to mix runs that differ in
 # any of these, --compare shows which differ and refuses only different test data.
-JOB_KEYS = ('script_sha256', 'hyperparameters', 'dtype', 'device', 'ranks', 'data', 'data_digest',
+JOB_KEYS = ('script_sha256', 'torch', 'hyperparameters', 'dtype', 'device', 'ranks', 'data', 'data_digest',
             'test_images', 'seed')
 RUN_KEYS = {'run', 'seed', 'failed', 'rows', 'accuracy', 'time_s'}
 
@@ -1229,8 +1234,8 @@ def read_job(path, option):
         raise UserError(f'{option} {path} is not whole JSON ({e.msg} at line {e.lineno} of '
                         f'{text.count(chr(10)) + 1}): cut short, or not a --json file; left as it is') from None
     runs = job.get('runs') if isinstance(job, dict) else None
-    if not (isinstance(runs, list) and set(JOB_KEYS) <= job.keys()
-            and all(isinstance(r, dict) and RUN_KEYS <= r.keys() for r in runs)):
+    if not (isinstance(runs, list) and set(JOB_KEYS) <= job.keys() and isinstance(job['hyperparameters'], dict)
+            and all(isinstance(r, dict) and RUN_KEYS <= r.keys() and isinstance(r['rows'], list) for r in runs)):
         raise UserError(f'{option} {path} is not a --json file of this version of train_cifar10.py; '
                         'left as it is')
     return job
@@ -1253,7 +1258,7 @@ def job_differences(a, b, keys=JOB_KEYS):
 
 
 def resumed_runs(job, path, context, runs_requested):
-    """The finished runs of the job read from path, which must be this job: the same settings, on
+    """The recorded runs (finished or failed) of the job read from path, which must be this job: the same settings, on
     the same kind of device, data and number of ranks, with at most runs_requested runs."""
     differences = job_differences(job, context)
     if differences:
@@ -1269,8 +1274,8 @@ def resumed_runs(job, path, context, runs_requested):
 
 def read_back_lines(runs, path, runs_requested):
     """What --resume prints of the runs it read back: which they are, then their tables."""
-    lines = [f'\n--resume {path}: run(s) {span(1, len(runs))} read back, tables below; ' +
-             (f'run(s) {span(len(runs) + 1, runs_requested)} run now' if len(runs) < runs_requested else
+    lines = [f'\n--resume {path}: {span(1, len(runs))} read back, tables below; ' +
+             (f'{span(len(runs) + 1, runs_requested)} to run now' if len(runs) < runs_requested else
               'every run has finished: nothing to train')]
     for run in runs:
         lines += [f"\nrun {run['run']}/{runs_requested} (seed {run['seed']}), read back from {path}",
@@ -1281,8 +1286,8 @@ def read_back_lines(runs, path, runs_requested):
 
 
 def span(first, last):
-    """'3' or '3-7': runs first to last."""
-    return f'{first}' if first == last else f'{first}-{last}'
+    """'run 3' or 'runs 3-7'."""
+    return f'run {first}' if first == last else f'runs {first}-{last}'
 
 
 def welch(a, b):
@@ -1296,7 +1301,7 @@ def welch(a, b):
     return dict(diff=diff, se=se, df=df, ci95=(diff - half_width, diff + half_width), p=p)
 
 
-def runs_for_power(diff, std_a, std_b, power=0.8, alpha=0.05, most=10 ** 6):
+def runs_for_power(diff, std_a, std_b, power=0.8, alpha=0.05, most=10 ** 5):
     """Runs per side for a two-sided Welch test at level alpha to find a true difference diff with
     the given power, when the two sides spread as std_a and std_b. The power of n runs a side is
     the chance that the t statistic, centred on diff / se(n), passes the critical value: the usual
@@ -1399,7 +1404,8 @@ def parse_args(argv):
                    help="save the last finished run's EMA model, with what it takes to rebuild it")
     p.add_argument('--resume', metavar='PATH',
                    help='continue the job whose --json file this is: its finished runs are read back, the rest '
-                        'run, and the file is updated after each (give the same options as that job)')
+                        'run, and the file is updated after each (give the same options as that job; with --json '
+                        'OTHER the whole job goes to OTHER instead)')
     p.add_argument('--compare', nargs=2, metavar=('A.json', 'B.json'),
                    help="compare two jobs' --json files (B - A, Welch's t); trains nothing")
     p.add_argument('--gpu-price', type=float, metavar='USD_PER_HOUR', help='also report the cost per run')
@@ -1596,7 +1602,9 @@ def compile_failure_line(error, rank, world):
     if error is None:
         return 'torch.compile failed on another rank (its line says why): every rank trains eager instead'
     chain = exception_chain(error, implicit=False)
-    root = chain[-1]  # the wrappers' own first lines vary with the torch version ("backend='inductor' raised:")
+    # the innermost exception that says something: the wrappers' own first lines vary with the torch
+    # version ("backend='inductor' raised:")
+    root = next((e for e in reversed(chain) if str(e).strip()), chain[-1])
     reason = f'{type(root).__name__}: {str(root).strip().splitlines()[0] if str(root).strip() else ""}'[:200]
     cache = inductor_cache()
     hint = (f'; {cache} may hold a file of an interrupted compilation: delete it to compile again'
@@ -1647,12 +1655,12 @@ def inductor_cache():
 
 
 def summary_so_far(runs, args, device, flops=None, peak=None, world=1, read_back=0):
-    """The summary of the finished runs, with how many were read back by --resume, and the runs'
-    peak GPU memory on CUDA."""
+    """The summary of the finished runs, with how many were read back by --resume, and on CUDA the
+    peak GPU memory of the runs this process trained."""
     summary = summarize(runs, args.gpu_price, count_94=not args.tiny, flops=flops, peak=peak, world=world)
     if args.resume:
         summary.update(read_back=read_back, resumed_from=args.resume)
-    if device.type == 'cuda':
+    if device.type == 'cuda' and len(runs) > read_back:
         summary['peak_memory_gb'] = torch.cuda.max_memory_allocated(device) / 1e9
     return summary
 
