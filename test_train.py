@@ -918,8 +918,10 @@ def test_no_network_gives_one_clear_error_and_leaves_nothing(tmp_path, server):
     url, _, _, _ = server
     with pytest.raises(T.UserError, match='cannot download .*404'):
         T.ensure_cifar10(tmp_path / 'data', url + '/missing.tar.gz')
-    with pytest.raises(T.UserError, match='cannot download'):
+    with pytest.raises(T.UserError) as refused:   # a mistyped path, offline: the likelier cause comes first
         T.ensure_cifar10(tmp_path / 'a' / 'b', 'http://127.0.0.1:9/cifar-10-python.tar.gz')  # refused
+    assert re.match(r'no CIFAR-10 in --data-dir .*a/b \(is that path right\?\); downloading it there failed: '
+                    r'cannot download http://127\.0\.0\.1:9/', str(refused.value))
     assert leftovers(tmp_path) == []                              # no data/, no a/b/
     (tmp_path / 'mine').mkdir()
     with pytest.raises(T.UserError, match='cannot download'):
