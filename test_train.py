@@ -1495,8 +1495,8 @@ def test_a_compile_that_cannot_compile_falls_back_to_eager_in_one_line(dataset):
 
 
 def compiler_failure(inner):
-    """What torch.compile raises when its backend fails: InductorError wraps the cause (torch 2.4
-    and later), BackendCompilerFailed before."""
+    """What torch.compile raises when its backend fails: InductorError wraps the cause, or on torch
+    2.4 and earlier, which lack it, BackendCompilerFailed."""
     try:
         from torch._inductor.exc import InductorError
         return InductorError(inner, None)

@@ -1643,12 +1643,12 @@ def failed_on_any_rank(failed, device):
 
 
 def inductor_cache():
-    """The folder where torch.compile keeps what it built (its function moved in torch 2.4), or None."""
+    """The folder where torch.compile keeps what it built (the function moved after torch 2.4), or None."""
     try:
         from torch._inductor.runtime.cache_dir_utils import cache_dir
     except ImportError:
         try:
-            from torch._inductor.utils import cache_dir  # torch 2.3
+            from torch._inductor.utils import cache_dir  # torch 2.4 and earlier
         except ImportError:
             return None
     return cache_dir()
