@@ -1225,7 +1225,8 @@ def read_job(path, option):
     try:
         text = path.read_text()
     except FileNotFoundError:
-        raise UserError(f'{option} {path}: no such file') from None
+        start = ' (a new job starts with --json)' if option == '--resume' else ''
+        raise UserError(f'{option} {path}: no such file{start}') from None
     except (OSError, UnicodeDecodeError) as e:
         raise UserError(f'{option} {path} cannot be read ({e}); left as it is') from None
     try:
