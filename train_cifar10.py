@@ -22,6 +22,7 @@ Evidence, as measured (README.md has the tables): no GPU has timed this version 
 x86_64 CPU with torch 2.13.0+cpu (2026-11-22), --tiny on the JPEG-derived CIFAR-10 stand-in
 finishes in 16-18 s of wall time (3 runs), and a full-width training step takes 7.1 s compiled in
 channels_last, against 9.8 s for Page's own code doing the same step (3 interleaved repetitions).
+One whole 10-epoch run there (run_log.txt) reached 90.82 % on the stand-in in 1 h 55 min.
 """
 import argparse
 import codecs
