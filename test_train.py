@@ -1294,7 +1294,7 @@ def test_resume_refuses_a_different_job_and_leaves_its_file(finished_job, tmp_pa
     (lambda text: text[:len(text) // 2], 3, r'is not whole JSON \(.* at line \d+ of \d+\)'),
     (lambda text: '{"runs": []}', 3, 'is not a --json file of this version of train_cifar10.py'),
     (lambda text: '[1, 2, 3]', 3, 'is not a --json file'),
-    (lambda text: text, 1, 'holds 2 finished runs, more than --runs 1'),
+    (lambda text: text, 1, 'holds 2 runs, more than --runs 1'),
     (None, 3, 'no such file'),
 ])
 def test_resume_refuses_a_file_that_is_not_a_job_of_its_own_in_one_line(finished_job, tmp_path, monkeypatch,

@@ -212,7 +212,8 @@ def ensure_cifar10(data_dir, url=None, md5=None):
                 download(url, archive, md5)
             except UserError as e:  # a mistyped --data-dir is likelier than a network fault: say it first
                 check = ' (is that path right?)' if created else ''
-                raise UserError(f'no CIFAR-10 in --data-dir {data_dir}{check}; downloading it there failed: {e}') from None
+                raise UserError(f'no CIFAR-10 in --data-dir {data_dir}{check}; '
+                                f'downloading it there failed: {e}') from None
         elif file_md5(archive) != md5:
             raise UserError(f'{archive} exists but its md5 is not {md5}: delete it to download again, '
                             f'or extract your copy so that {data_dir / BATCHES_DIR} exists')
@@ -901,9 +902,8 @@ COLUMNS = ('epoch', 'lr', 'train time', 'train loss', 'train acc',
 
 
 def table_line(values):
-    """One line of 12-character right-aligned columns; floats with 4 decimals. None is a NaN read
-    back from a JSON file, which has no NaN."""
-    return ''.join(f'{v:>12.4f}' if isinstance(v, float) else f'{"nan" if v is None else v:>12}' for v in values)
+    """One line of 12-character right-aligned columns; floats with 4 decimals."""
+    return ''.join(f'{v:>12.4f}' if isinstance(v, float) else f'{v:>12}' for v in values)
 
 
 def table_row(row):
@@ -1034,6 +1034,8 @@ def summary_lines(s):
     if s['finished'] == 1:
         lines.append(f"accuracy (flip-TTA, EMA): {100 * s['acc_mean']:.2f} % (one run: no standard deviation)")
         lines.append(f"time of the run: {s['time_mean_s']:.2f} s")
+        if 'reached_94' in s:
+            lines.append(f"reached 94%: {'yes' if s['reached_94'] else 'no'}")
     else:
         lines.append(f"accuracy (flip-TTA, EMA): mean {100 * s['acc_mean']:.2f} %, "
                      f"standard deviation {100 * s['acc_std']:.2f} %")
@@ -1044,8 +1046,6 @@ def summary_lines(s):
                      f"{100 * s['acc_max']:.2f} %{reached}")
         lines.append(f"time per run: mean {s['time_mean_s']:.2f} s, median {s['time_median_s']:.2f} s, "
                      f"max {s['time_max_s']:.2f} s")
-    if 'reached_94' in s and s['finished'] == 1:
-        lines.append(f"reached 94%: {'yes' if s['reached_94'] else 'no'}")
     if 'cost_per_run_usd' in s:
         lines.append(f"cost per run: ${s['cost_per_run_usd']:.5f}")
     if 'tflops_per_s' in s:
@@ -1215,8 +1215,8 @@ class Progress:
 # =============================================================================================
 # What makes a job's runs comparable with another's; --resume refuses to mix runs that differ in
 # any of these, --compare shows which differ and refuses only different test data.
-JOB_KEYS = ('script_sha256', 'torch', 'hyperparameters', 'dtype', 'device', 'ranks', 'data', 'data_digest',
-            'test_images', 'seed')
+DATA_KEYS = ('data', 'data_digest', 'test_images')
+JOB_KEYS = ('script_sha256', 'torch', 'hyperparameters', 'dtype', 'device', 'ranks', *DATA_KEYS, 'seed')
 RUN_KEYS = {'run', 'seed', 'failed', 'rows', 'accuracy', 'time_s'}
 
 
@@ -1240,6 +1240,9 @@ def read_job(path, option):
             and all(isinstance(r, dict) and RUN_KEYS <= r.keys() and isinstance(r['rows'], list) for r in runs)):
         raise UserError(f'{option} {path} is not a --json file of this version of train_cifar10.py; '
                         'left as it is')
+    for run in runs:  # JSON has no NaN: json_ready wrote a diverged run's NaNs as nulls
+        run['accuracy'] = math.nan if run['accuracy'] is None else run['accuracy']
+        run['rows'] = [{k: math.nan if v is None else v for k, v in row.items()} for row in run['rows']]
     return job
 
 
@@ -1260,18 +1263,24 @@ def job_differences(a, b, keys=JOB_KEYS):
 
 
 def resumed_runs(job, path, context, runs_requested):
-    """The recorded runs (finished or failed) of the job read from path, which must be this job: the same settings, on
-    the same kind of device, data and number of ranks, with at most runs_requested runs."""
+    """The recorded runs (finished or failed) of the job read from path, which must be this job:
+    the same settings, on the same kind of device, data and number of ranks, with at most
+    runs_requested runs."""
     differences = job_differences(job, context)
     if differences:
         raise UserError(f"--resume {path}: that job differs from this one in {', '.join(differences)} "
                         '(that job -> this one); resume it with its own options, on its kind of device')
     runs = job['runs']
     if len(runs) > runs_requested:
-        raise UserError(f'--resume {path} holds {len(runs)} finished runs, more than --runs {runs_requested}')
+        raise UserError(f'--resume {path} holds {len(runs)} runs, more than --runs {runs_requested}')
     if [(r['run'], r['seed']) for r in runs] != [(i + 1, context['seed'] + i) for i in range(len(runs))]:
         raise UserError(f'--resume {path}: its runs are not runs 1-{len(runs)} with seeds from {context["seed"]}')
     return runs
+
+
+def span(first, last):
+    """'run 3' or 'runs 3-7'."""
+    return f'run {first}' if first == last else f'runs {first}-{last}'
 
 
 def read_back_lines(runs, path, runs_requested):
@@ -1285,11 +1294,6 @@ def read_back_lines(runs, path, runs_requested):
         if run['failed']:
             lines.append(f"run {run['run']} FAILED: the loss became NaN in epoch {len(run['rows'])}")
     return lines
-
-
-def span(first, last):
-    """'run 3' or 'runs 3-7'."""
-    return f'run {first}' if first == last else f'runs {first}-{last}'
 
 
 def welch(a, b):
@@ -1328,14 +1332,13 @@ def runs_for_power(diff, std_a, std_b, power=0.8, alpha=0.05, most=10 ** 5):
 def compare_lines(path_a, path_b):
     """The report of --compare: each job's final accuracies, then B - A with Welch's interval and
     p-value, and the runs per side that would resolve a difference of that size."""
-    jobs = {'A': (path_a, read_job(path_a, '--compare')), 'B': (path_b, read_job(path_b, '--compare'))}
-    (_, a), (_, b) = jobs.values()
-    for key in ('data', 'data_digest', 'test_images'):
+    a, b = read_job(path_a, '--compare'), read_job(path_b, '--compare')
+    for key in DATA_KEYS:
         if a[key] != b[key]:
             raise UserError(f'--compare: the two jobs did not test on the same data ({key}: {a[key]} -> {b[key]}); '
                             'their accuracies are not comparable')
     acc, lines = {}, []
-    for side, (path, job) in jobs.items():
+    for side, path, job in (('A', path_a, a), ('B', path_b, b)):
         acc[side] = np.array([r['accuracy'] for r in job['runs'] if not r['failed']])
         failed = len(job['runs']) - len(acc[side])
         if len(acc[side]) < 2:
@@ -1350,7 +1353,8 @@ def compare_lines(path_a, path_b):
     if w['se'] == 0:
         return lines + ['both sides repeat one accuracy: no spread, no test']
     low, high = w['ci95']
-    lines.append(f"B - A: {100 * w['diff']:+.3f} points, 95 % confidence interval [{100 * low:+.3f}, {100 * high:+.3f}] "
+    lines.append(f"B - A: {100 * w['diff']:+.3f} points, "
+                 f"95 % confidence interval [{100 * low:+.3f}, {100 * high:+.3f}] "
                  f"(Welch, {w['df']:.1f} degrees of freedom), p = {w['p']:.2g} (two-sided)")
     verdict = ('the interval holds 0: no difference shown at the 5 % level' if low <= 0 <= high else
                f"B is {'higher' if w['diff'] > 0 else 'lower'} than A at the 5 % level")
