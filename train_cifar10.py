@@ -1465,6 +1465,29 @@ def pick_device(name, local_rank=None):
     return device
 
 
+def join_process_group(device):
+    """Join the ranks torchrun started: NCCL between GPUs, gloo between CPU processes."""
+    import torch.distributed.nn  # noqa: F401  now, not later: see leave_process_group
+    if device.type == 'cuda':
+        torch.cuda.set_device(device)
+    dist.init_process_group('nccl' if device.type == 'cuda' else 'gloo',
+                            device_id=device if device.type == 'cuda' else None)
+
+
+def leave_process_group():
+    """Destroy the process group, and with it gloo's worker threads, while Python still runs.
+
+    A gloo thread lets go of a collective's tensors only after the collective has returned; when
+    that falls after the interpreter began to shut down, the thread cannot take the GIL to free
+    them and the process aborts ("terminate called without an active exception": 2 of 66 two-rank
+    test runs). The group joins its threads when its last reference goes, so the caller drops its
+    DistributedDataParallel models first, and torch.distributed.nn was imported before the group
+    existed: imported later, its functions' default arguments would hold the group for good.
+    """
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def native_bf16(device):
     """Whether this CUDA device computes in bf16 natively: Ampere (8.0) or later, or any ROCm GPU.
     torch.cuda.is_bf16_supported() asks about the current device, not this one, and counts
@@ -1705,10 +1728,7 @@ def main(argv=None):
             compile, channels_last = speed_settings(args, device)
             dtype = pick_dtype(args.dtype, device, channels_last)
             if world > 1:
-                if device.type == 'cuda':
-                    torch.cuda.set_device(device)
-                dist.init_process_group('nccl' if device.type == 'cuda' else 'gloo',
-                                        device_id=device if device.type == 'cuda' else None)
+                join_process_group(device)
             data = prepare_data(args, hyp, local_rank, world)
             fp32_math = fp32_precision(device, dtype)
             flops = count_flops(hyp, len(data['train_images']), len(data['test_images']))
@@ -1766,8 +1786,8 @@ def main(argv=None):
             print('\r\033[K', end='', file=sys.stderr)  # wipe a progress line
         log(f'\ninterrupted: summary of the {len(runs)} finished run(s)' if runs else '\ninterrupted')
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        networks = None  # its DistributedDataParallel model holds the process group
+        leave_process_group()
     if runs:
         summary = summary_so_far(runs, args, device, flops['run'], peak, world, len(read_back))
         log('\n' + '\n'.join(summary_lines(summary)))
