@@ -1605,36 +1605,45 @@ def torchrun(*args, nproc=2):
                           capture_output=True, text=True, timeout=300)
 
 
-GLOO_THREADS = """
-import glob
-def gloo_threads():  # this process's gloo threads: torch names them pt_gloo_runloop and gloo_tcp_loop
-    names = (open(f).read().strip() for f in glob.glob('/proc/self/task/*/comm'))
-    return [name for name in names if 'gloo' in name]
-"""
-
-
-RECORDS_THREADS = GLOO_THREADS + """
+COUNTS_THREADS = """
 import json, os, sys
 sys.path.insert(0, {repo!r})
 import train_cifar10 as T
-leave_process_group = T.leave_process_group
-def leave_and_record():  # the gloo threads still running once main has left the process group
-    leave_process_group()
-    (open(f"{out}/threads_{{os.environ['RANK']}}.json", 'w')).write(json.dumps(gloo_threads()))
-T.leave_process_group = leave_and_record
-sys.exit(T.main())
+counts = []
+def counted(function):  # this process's number of threads before and after each call of function
+    if not os.path.isdir('/proc/self/task'):  # Linux lists them there
+        return function
+    def call(*args):
+        before = len(os.listdir('/proc/self/task'))
+        function(*args)
+        counts.append((before, len(os.listdir('/proc/self/task'))))
+    return call
+T.join_process_group, T.leave_process_group = counted(T.join_process_group), counted(T.leave_process_group)
 """
+
+
+def assert_gloo_threads_joined(counts_file):
+    """Leaving the process group stopped as many threads as joining it started: gloo's, which only
+    newer torch names. COUNTS_THREADS counts them where Linux lists them, in /proc."""
+    if Path('/proc/self/task').is_dir():
+        (join_before, join_after), (leave_before, leave_after) = json.loads(counts_file.read_text())
+        assert join_after > join_before and leave_before - leave_after == join_after - join_before
 
 
 def test_two_ranks_print_one_table_and_rank_0_writes_the_files(dataset, tmp_path):
     """Also: main leaves no gloo thread running for Python's shutdown (leave_process_group)."""
-    script = tmp_path / 'records_threads.py'
-    script.write_text(RECORDS_THREADS.format(repo=str(SCRIPT.parent), out=str(tmp_path)))
+    script = tmp_path / 'counts_threads.py'
+    script.write_text(COUNTS_THREADS.format(repo=str(SCRIPT.parent)) + f"""
+try:
+    sys.exit(T.main())
+finally:
+    open(f"{tmp_path}/threads_{{os.environ['RANK']}}.json", 'w').write(json.dumps(counts))
+""")
     result = torchrun(script, '--tiny', '--data-dir', dataset, '--json', tmp_path / 'r.json',
                       '--log-tsv', tmp_path / 'r.tsv', '--save', tmp_path / 'ema.pt')
     assert result.returncode == 0, result.stderr
     for rank in (0, 1):
-        assert json.loads((tmp_path / f'threads_{rank}.json').read_text()) == []
+        assert_gloo_threads_joined(tmp_path / f'threads_{rank}.json')
     out = result.stdout
     assert '2 ranks (gloo), 32 images each per step' in out
     assert out.count(T.table_line(T.COLUMNS)) == 1 and out.count('run 1/1') == 1 and out.count('time of the run') == 1
@@ -1645,10 +1654,8 @@ def test_two_ranks_print_one_table_and_rank_0_writes_the_files(dataset, tmp_path
     T.ResNet9(torch.zeros(27, 3, 3, 3), {**T.HYP, **T.TINY}).load_state_dict(torch.load(tmp_path / 'ema.pt')['state_dict'])
 
 
-WORKER = GLOO_THREADS + """
-import json, sys, time, torch, torch.distributed as dist
-sys.path.insert(0, {repo!r})
-import train_cifar10 as T
+WORKER = COUNTS_THREADS + """
+import time, torch, torch.distributed as dist
 rank, _, world = T.torchrun_ranks()
 cpu, out = torch.device('cpu'), {out!r}
 if world > 1:
@@ -1670,10 +1677,9 @@ if world > 1:  # leave with an all-reduce in flight (rank 1 comes late) whose te
     if rank == 1:
         time.sleep(1)
     dist.all_reduce(torch.ones(8), async_op=True)
-    threads = gloo_threads()
     networks = None
     T.leave_process_group()
-    (open(f'{{out}}/threads_{{rank}}.json', 'w')).write(json.dumps([threads, gloo_threads()]))
+    (open(f'{{out}}/threads_{{rank}}.json', 'w')).write(json.dumps(counts))
 """
 
 
@@ -1707,10 +1713,8 @@ def test_two_ranks_train_as_one_process_and_stay_identical(dataset, tmp_path):
     row_two = json.loads((tmp_path / 'rows_2_0.json').read_text())[0]
     for key in ('train_loss', 'train_acc', 'valid_loss', 'valid_acc'):    # counts summed over the ranks
         assert row_two[key] == pytest.approx(row_one[key], rel=1e-4)
-    if Path('/proc/self/task').is_dir():  # Linux names threads there
-        for rank in (0, 1):  # gloo's threads ran until leave_process_group, which joined them
-            during, after = json.loads((tmp_path / f'threads_{rank}.json').read_text())
-            assert during and not after
+    for rank in (0, 1):
+        assert_gloo_threads_joined(tmp_path / f'threads_{rank}.json')
 
 
 def test_a_batch_that_does_not_split_over_the_ranks_stops_the_job(dataset):
