@@ -1482,7 +1482,8 @@ def leave_process_group():
     them and the process aborts ("terminate called without an active exception": 2 of 66 two-rank
     test runs). The group joins its threads when its last reference goes, so the caller drops its
     DistributedDataParallel models first, and torch.distributed.nn was imported before the group
-    existed: imported later, its functions' default arguments would hold the group for good.
+    existed: imported later, its functions' default arguments would hold the group for good. torch
+    lets go of the GIL while it joins them (2.8 and later: torch 2.6 deadlocked here in the tests).
     """
     if dist.is_initialized():
         dist.destroy_process_group()
