@@ -1610,13 +1610,14 @@ import json, os, sys
 sys.path.insert(0, {repo!r})
 import train_cifar10 as T
 counts = []
-def counted(function):  # this process's number of threads before and after each call of function
+def counted(function):  # writes this process's number of threads before and after each call
     if not os.path.isdir('/proc/self/task'):  # Linux lists them there
         return function
     def call(*args):
         before = len(os.listdir('/proc/self/task'))
         function(*args)
         counts.append((before, len(os.listdir('/proc/self/task'))))
+        open(os.path.join({out!r}, f"threads_{{os.environ['RANK']}}.json"), 'w').write(json.dumps(counts))
     return call
 T.join_process_group, T.leave_process_group = counted(T.join_process_group), counted(T.leave_process_group)
 """
@@ -1633,12 +1634,7 @@ def assert_gloo_threads_joined(counts_file):
 def test_two_ranks_print_one_table_and_rank_0_writes_the_files(dataset, tmp_path):
     """Also: main leaves no gloo thread running for Python's shutdown (leave_process_group)."""
     script = tmp_path / 'counts_threads.py'
-    script.write_text(COUNTS_THREADS.format(repo=str(SCRIPT.parent)) + f"""
-try:
-    sys.exit(T.main())
-finally:
-    open(f"{tmp_path}/threads_{{os.environ['RANK']}}.json", 'w').write(json.dumps(counts))
-""")
+    script.write_text(COUNTS_THREADS.format(repo=str(SCRIPT.parent), out=str(tmp_path)) + 'sys.exit(T.main())\n')
     result = torchrun(script, '--tiny', '--data-dir', dataset, '--json', tmp_path / 'r.json',
                       '--log-tsv', tmp_path / 'r.tsv', '--save', tmp_path / 'ema.pt')
     assert result.returncode == 0, result.stderr
@@ -1679,7 +1675,6 @@ if world > 1:  # leave with an all-reduce in flight (rank 1 comes late) whose te
     dist.all_reduce(torch.ones(8), async_op=True)
     networks = None
     T.leave_process_group()
-    (open(f'{{out}}/threads_{{rank}}.json', 'w')).write(json.dumps(counts))
 """
 
 
