@@ -1483,7 +1483,7 @@ def leave_process_group():
     test runs). The group joins its threads when its last reference goes, so the caller drops its
     DistributedDataParallel models first, and torch.distributed.nn was imported before the group
     existed: imported later, its functions' default arguments would hold the group for good. torch
-    lets go of the GIL while it joins them (2.8 and later: torch 2.6 deadlocked here in the tests).
+    lets go of the GIL while it joins them (2.8 and later; 2.6 and 2.7 deadlock here in the tests).
     """
     if dist.is_initialized():
         dist.destroy_process_group()
