@@ -1495,14 +1495,9 @@ def test_a_compile_that_cannot_compile_falls_back_to_eager_in_one_line(dataset):
 
 
 def compiler_failure(inner):
-    """What torch.compile raises when its backend fails: InductorError wraps the cause, or on torch
-    2.4 and earlier, which lack it, BackendCompilerFailed."""
-    try:
-        from torch._inductor.exc import InductorError
-        return InductorError(inner, None)
-    except ImportError:
-        from torch._dynamo.exc import BackendCompilerFailed
-        return BackendCompilerFailed(lambda: None, inner)
+    """What torch.compile raises when its backend fails: an InductorError wrapping the cause."""
+    from torch._inductor.exc import InductorError
+    return InductorError(inner, None)
 
 
 def test_a_damaged_compile_cache_is_named_in_the_fallback_line(dataset, monkeypatch, capsys):

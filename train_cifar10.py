@@ -1479,11 +1479,12 @@ def leave_process_group():
 
     A gloo thread lets go of a collective's tensors only after the collective has returned; when
     that falls after the interpreter began to shut down, the thread cannot take the GIL to free
-    them and the process aborts ("terminate called without an active exception": 2 of 66 two-rank
-    test runs). The group joins its threads when its last reference goes, so the caller drops its
-    DistributedDataParallel models first, and torch.distributed.nn was imported before the group
-    existed: imported later, its functions' default arguments would hold the group for good. torch
-    lets go of the GIL while it joins them (2.8 and later; 2.6 and 2.7 deadlock here in the tests).
+    them and the process aborts ("terminate called without an active exception": 2 of 66 runs of
+    the two-rank test's worker). The group joins its threads when its last reference goes, so the
+    caller drops its DistributedDataParallel models first, and torch.distributed.nn was imported
+    before the group existed: imported later, its functions' default arguments would hold the group
+    for good. torch lets go of the GIL while it joins them (2.8 and later; 2.6 and 2.7 deadlock here
+    in the tests).
     """
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -1673,14 +1674,11 @@ def failed_on_any_rank(failed, device):
 
 
 def inductor_cache():
-    """The folder where torch.compile keeps what it built (the function moved after torch 2.4), or None."""
+    """The folder where torch.compile keeps what it built, or None if this torch keeps it elsewhere."""
     try:
         from torch._inductor.runtime.cache_dir_utils import cache_dir
     except ImportError:
-        try:
-            from torch._inductor.utils import cache_dir  # torch 2.4 and earlier
-        except ImportError:
-            return None
+        return None
     return cache_dir()
 
 
