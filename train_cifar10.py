@@ -45,6 +45,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+import warnings
 from pathlib import Path
 
 try:  # torch takes seconds to import: Ctrl-C meanwhile ends quietly, with the shell's status for it
@@ -394,6 +395,12 @@ def augmented_epoch(padded, labels, hyp, generator, rank=0, world=1):
 # =============================================================================================
 # Network: whitening, ghost batch norm, ResNet9
 # =============================================================================================
+def at_least_fp32(dtype):
+    """fp32 for fp16 and bf16, the dtype itself for fp32 and wider: the precision of what must not
+    lose the small differences (batch-norm statistics, the loss, the EMA, the whitening's fold)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def whitening_filters(images, eps):
     """Fixed 3x3 conv filters that whiten the 27-dim patches (3 channels x 3 x 3) of the images.
 
@@ -419,27 +426,34 @@ def patch_moment(images):
     return (patches @ patches.transpose(1, 2)).sum(0) / (n * patches.shape[2] - 1)
 
 
-class WhitenedPrep(nn.Conv2d):
+class WhitenedPrep(nn.Module):
     """Page's first two layers, the fixed whitening (3x3, 3 -> 27 channels) and the trainable 1x1
     prep conv (27 -> c_out), computed as the one 3x3 conv (3 -> c_out) they compose to.
 
     Its filters, sum_k prep[o, k] x whitening[k], are formed at every step from the trainable 1x1
     weights, so the function and the prep weights' gradient are those of the two convs, but the
     27-channel full-resolution activation (56 MB a batch of 512 in fp32) is never written, nor
-    kept for the backward pass. The 1x1 weights are drawn as nn.Conv2d(27, c_out, 1) draws them.
+    kept for the backward pass. The 1x1 weights are a c_out x 27 matrix, drawn as
+    nn.Conv2d(27, c_out, 1) draws its weights; as a matrix they have no memory format, so in
+    channels_last their gradient's strides are theirs and DistributedDataParallel copies nothing.
     """
 
     def __init__(self, whitening, c_out):
-        super().__init__(len(whitening), c_out, 1, bias=False)
+        super().__init__()
         self.register_buffer('whitening', whitening)  # fixed, never trained
+        self.weight = nn.Parameter(torch.empty(c_out, len(whitening)))
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))  # nn.Conv2d's draw: fan-in 27 in both shapes
 
     def forward(self, x):
         # fp32 (or wider) whatever the training dtype: the filters' gradient, rounded to fp16 (bf16)
         # before its projection on the whitening's small-eigenvalue directions, would lose up to 2 %
         # (30 %) of the 1x1 weights' gradient (measured against float64). With 3 input channels,
         # the fp32 convolution is cheap, and its output is cast back at once.
-        wide = torch.promote_types(x.dtype, torch.float32)
-        filters = self.weight.to(wide).flatten(1) @ self.whitening.to(wide).flatten(1)
+        wide = at_least_fp32(x.dtype)
+        filters = self.weight.to(wide) @ self.whitening.to(wide).flatten(1)
         return F.conv2d(x.to(wide), filters.view(-1, *self.whitening.shape[1:]), padding=1).to(x.dtype)
 
 
@@ -473,7 +487,7 @@ class GhostBatchNorm(nn.BatchNorm2d):
     def splits_as_view(self, x, splits):
         """xs[:, k] = x.view(n/s, s, c, h, w)[:, k] is split k; var_mean over it, then elementwise."""
         n, c, h, w = x.shape
-        xs = x.view(-1, splits, c, h, w).to(torch.promote_types(x.dtype, torch.float32))  # statistics in fp32
+        xs = x.view(-1, splits, c, h, w).to(at_least_fp32(x.dtype))  # statistics in fp32
         var, mean = torch.var_mean(xs, dim=(0, 3, 4), correction=0, keepdim=True)
         scale = torch.rsqrt(var + self.eps) * self.weight.view(1, 1, c, 1, 1)
         y = (xs - mean) * scale + self.bias.view(1, 1, c, 1, 1)
@@ -532,16 +546,19 @@ class ResNet9(nn.Module):
 
     def forward(self, x):
         x = self.layer3(self.layer2(self.layer1(self.prep(x))))
-        return self.head(x.amax(dim=(2, 3))) * self.logit_scale  # global max-pool
+        # Page's global max-pool over the 4x4 maps. A pool with indices, not amax: amax's backward
+        # finds the maximum again by equality, and compiled half precision, which may keep the
+        # pooled values unrounded, then finds none and sends NaN to every gradient below.
+        return self.head(F.max_pool2d(x, 4).flatten(1)) * self.logit_scale
 
 
 def to_training_precision(model, dtype):
-    """Convert the network to dtype but keep batch norm (parameters and statistics) in fp32:
-    half-precision statistics lose the small differences that normalisation divides by."""
+    """Convert the network to dtype but keep batch norm (parameters and statistics) in fp32 (or
+    wider): half-precision statistics lose the small differences that normalisation divides by."""
     model.to(dtype)
     for module in model.modules():
         if isinstance(module, nn.BatchNorm2d):
-            module.float()
+            module.to(at_least_fp32(dtype))
     return model
 
 
@@ -648,15 +665,16 @@ def average_over_ranks(tensors):
 
 @torch.no_grad()
 def ema_update(averages, tensors, momentum):
-    """averages <- momentum x averages + (1 - momentum) x tensors, in fp32 whatever the tensors'
-    dtype: a 5 % step is below half a unit in the last place of fp16 or bf16 for most weights."""
-    torch._foreach_lerp_(averages, [t.float() for t in tensors], 1 - momentum)
+    """averages <- momentum x averages + (1 - momentum) x tensors, in the averages' fp32 whatever the
+    tensors' dtype: a 5 % step is below half a unit in the last place of fp16 or bf16 for most weights."""
+    torch._foreach_lerp_(averages, [t.to(a.dtype) for a, t in zip(averages, tensors)], 1 - momentum)
 
 
 def summed_loss(model, images, labels, label_smoothing):
     """The label-smoothed cross-entropy summed over the batch, in fp32, and the logits."""
     logits = model(images)
-    return F.cross_entropy(logits.float(), labels, label_smoothing=label_smoothing, reduction='sum'), logits
+    return F.cross_entropy(logits.to(at_least_fp32(logits.dtype)), labels, label_smoothing=label_smoothing,
+                           reduction='sum'), logits
 
 
 def train_epoch(networks, images, labels, steps, first_step, hyp, on_step=lambda i, steps: None):
@@ -712,7 +730,7 @@ def evaluate(networks, images, labels, hyp):
     loss_sum = torch.zeros((), device=images.device)
     correct = torch.zeros((), device=images.device, dtype=torch.long)
     for x, y in zip(images.split(hyp['eval_batch_size']), labels.split(hyp['eval_batch_size'])):
-        logits = networks.tta_logits(networks.ema, x).float()
+        logits = networks.tta_logits(networks.ema, x)
         loss_sum += F.cross_entropy(logits, y, label_smoothing=hyp['label_smoothing'], reduction='sum')
         correct += (logits.argmax(1) == y).sum()
     return loss_sum, correct
@@ -761,12 +779,14 @@ class Networks:
         self.initial = ResNet9(torch.zeros(27, 3, 3, 3), hyp)  # on the CPU: draws each run's weights
         self.net = to_training_precision(copy.deepcopy(self.initial), dtype).to(device, memory_format=self.memory_format)
         self.model = data_parallel(self.net, device) if world > 1 else self.net
-        self.ema = copy.deepcopy(self.initial).to(device, memory_format=self.memory_format)
+        self.ema_dtype = at_least_fp32(dtype)  # the EMA is kept, and evaluated, in fp32
+        self.ema = copy.deepcopy(self.initial).to(device, self.ema_dtype, memory_format=self.memory_format)
         self.ema.eval().requires_grad_(False)
         self.averaged = ema_tensors(self.ema), ema_tensors(self.net)  # the EMA's pairs, listed once
         self.opt = optimiser(self.net, hyp)
         self.summed_loss = torch.compile(summed_loss, dynamic=False) if compile else summed_loss
-        self.tta_logits = torch.compile(flip_tta_logits, dynamic=False) if compile else flip_tta_logits
+        tta_logits = torch.compile(flip_tta_logits, dynamic=False) if compile else flip_tta_logits
+        self.tta_logits = in_tf32(tta_logits) if evaluates_in_tf32(device, dtype) else tta_logits
 
     @torch.no_grad()
     def reinitialise(self, whitening, seed):
@@ -774,7 +794,7 @@ class Networks:
         device and rank draws the same, and the run's whitening filters; the EMA starts equal."""
         torch.manual_seed(seed)
         for module in self.initial.modules():  # in construction order, as a new network draws them
-            if isinstance(module, (nn.Conv2d, nn.Linear, nn.BatchNorm2d)):
+            if isinstance(module, (WhitenedPrep, nn.Conv2d, nn.Linear, nn.BatchNorm2d)):
                 module.reset_parameters()
         self.initial.prep[0].whitening.copy_(whitening)
         self.net.load_state_dict(self.initial.state_dict())  # copies into the training dtype and layout
@@ -802,8 +822,7 @@ def train_run(data, networks, hyp, device, seed, on_epoch, on_step=lambda epoch,
     start = time.perf_counter()
     train = normalise(data['train_images'], device, networks.dtype)
     train_labels = torch.from_numpy(data['train_labels']).to(device)
-    # the EMA model is kept and evaluated in fp32, so its test images are fp32 too
-    test = normalise(data['test_images'][rank::world], device, torch.float32)  # this rank's share
+    test = normalise(data['test_images'][rank::world], device, networks.ema_dtype)  # this rank's share
     test = test.contiguous(memory_format=networks.memory_format)
     test_labels = torch.from_numpy(data['test_labels'][rank::world]).to(device)
     padded = F.pad(train, (hyp['pad'],) * 4, mode='reflect')
@@ -1497,18 +1516,38 @@ def native_bf16(device):
     return bool(torch.version.hip) or torch.cuda.get_device_capability(device)[0] >= 8
 
 
+def evaluates_in_tf32(device, dtype):
+    """Whether the EMA's fp32 evaluation may use TF32: on a CUDA GPU, when training in fp16 or bf16.
+    TF32 has 10 mantissa bits, as many as the fp16 in which Page evaluated."""
+    return device.type == 'cuda' and dtype != torch.float32
+
+
 def fp32_precision(device, dtype):
-    """Choose, and say, how fp32 convolutions and matrix products run on a CUDA GPU. With fp16 or
-    bf16 training only the EMA's evaluation is fp32: it may use TF32 on Ampere and later (10
-    mantissa bits, as many as the fp16 in which Page evaluated), as cuDNN does by default for
-    convolutions; matrix products are told the same, which also silences inductor's warning.
-    --dtype fp32 asks for fp32 throughout, so TF32 is off for both."""
+    """Choose, and say, how fp32 convolutions and matrix products run on a CUDA GPU. Training runs
+    them in true fp32: its only fp32 ones form and apply the folded whitening, whose 1x1 weights'
+    gradient TF32 would round as fp16 does (0.4-0.6 % off, against 0.04 % in fp32: the loss the fp32
+    fold exists to avoid). So TF32 is off, cuDNN's default included, and only the EMA's evaluation
+    turns it on for itself (in_tf32), when training in fp16 or bf16."""
     if device.type != 'cuda':
         return None  # CPUs and MPS compute fp32 as fp32
-    tf32 = dtype != torch.float32
-    torch.backends.cudnn.allow_tf32 = tf32
-    torch.set_float32_matmul_precision('high' if tf32 else 'highest')
-    return 'fp32 convolutions and matmuls in TF32' if tf32 else 'TF32 off'
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    # inductor suggests TF32 whenever it compiles an fp32 matmul with TF32 off: here that is deliberate
+    warnings.filterwarnings('ignore', message='TensorFloat32 tensor cores')
+    return ('training in fp32, the evaluation in TF32' if evaluates_in_tf32(device, dtype) else 'TF32 off')
+
+
+def in_tf32(function):
+    """function, run with TF32 allowed for fp32 convolutions and matrix products, as it was after.
+    The compiler reads the matmul flag as it compiles, and a compiled function called only this way
+    keeps the one version it compiled."""
+    def call(*args):
+        saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = True
+        try:
+            return function(*args)
+        finally:
+            torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+    return call
 
 
 def pick_dtype(name, device, channels_last):
@@ -1587,49 +1626,104 @@ def speed_settings(args, device):
 
 def compiled_warm_up(data, hyp, device, dtype, compile, channels_last, on_step, log):
     """Build the networks, compile them if asked, and warm them up; returns them and whether they
-    are compiled. A compilation that fails (no C++ compiler, no Triton, a damaged cache) is said
-    in one line, and training goes on eager: on every rank if it failed on any, since ranks that
-    trained differently would wait for each other's collectives for ever."""
+    are compiled. A compilation that fails (no C++ compiler, no Triton, a damaged cache), or whose
+    training step disagrees with eager's, is said in one line, and training goes on eager: on every
+    rank if it failed on any, since ranks that trained differently would wait for each other's
+    collectives for ever."""
     networks = Networks(hyp, device, dtype, compile, channels_last)
     if compile:
         rank, world = rank_and_world()
-        start, error = time.perf_counter(), None
+        start, error, disagreement = time.perf_counter(), None, None
         try:
-            compile_passes(networks, data, hyp, device)
+            disagreement = compile_passes(networks, data, hyp, device)
         except Exception as e:
             if not is_compiler_error(e):
                 raise  # out of memory, a failed collective: eager would fail the same way
             error = e
-        if failed_on_any_rank(error is not None, device):
-            if error is not None or rank == 0:  # every rank that failed says why; rank 0 says it for the others
-                print(compile_failure_line(error, rank, world), flush=True)
+        failed = error is not None or disagreement is not None
+        if failed_on_any_rank(failed, device):
+            if failed or rank == 0:  # every rank that failed says why; rank 0 says it for the others
+                print(compile_failure_line(error, disagreement, rank, world), flush=True)
             networks, compile = Networks(hyp, device, dtype, False, channels_last), False
         else:
-            log(f'torch.compile: {time.perf_counter() - start:.1f} s, before the warm-up, outside every run\'s time')
+            log(f'torch.compile: {time.perf_counter() - start:.1f} s, and its training step checked against '
+                'eager, before the warm-up, outside every run\'s time')
     warm_up(data, networks, hyp, device, on_step)
     return networks, compile
 
 
 def compile_passes(networks, data, hyp, device):
-    """Compile the training loss (forward and backward) and the flip-TTA pass at the runs' shapes.
+    """Compile the training loss (forward and backward) and the flip-TTA pass at the runs' shapes,
+    and check the compiled training step against eager's; returns what disagreed, or None.
     No collective runs meanwhile (under torchrun, DDP's no_sync keeps the gradients on the rank),
     so a rank whose compilation fails leaves no other rank waiting for it."""
     rank, world = rank_and_world()
     b = hyp['batch_size'] // world
+    whitening = whitening_filters(normalise(data['train_images'][:hyp['whitening_images']], device, torch.float32),
+                                  hyp['whitening_eps'])
+    networks.reinitialise(whitening, seed=0)  # a run's first weights: the check needs a real network
     x = normalise(data['train_images'][:b], device, networks.dtype).contiguous(memory_format=networks.memory_format)
     y = torch.from_numpy(data['train_labels'][:b]).to(device)
     with networks.model.no_sync() if world > 1 else contextlib.nullcontext():
-        networks.summed_loss(networks.model, x, y, hyp['label_smoothing'])[0].backward()
+        disagreement = compiled_step_disagreement(networks, x, y, hyp)
     networks.opt.zero_grad()
-    test = normalise(data['test_images'][rank::world], device, torch.float32)
+    test = normalise(data['test_images'][rank::world], device, networks.ema_dtype)
     batches = test.contiguous(memory_format=networks.memory_format).split(hyp['eval_batch_size'])
     with torch.no_grad():
         for batch in {len(batch): batch for batch in batches}.values():  # a full batch and the last
             networks.tta_logits(networks.ema, batch)
+    return disagreement
 
 
-def compile_failure_line(error, rank, world):
-    """The one line that says a compilation failed (error is None: on another rank) and why."""
+def compiled_step_disagreement(networks, x, y, hyp):
+    """None if the compiled training step gives eager's loss and gradients on this batch, with
+    these weights, to within the training dtype's rounding; else which of them disagreed, and by
+    how much. A NaN raises nothing: without this check, a compiler that miscomputes in half
+    precision (as inductor did with amax's backward) would train every run to NaN.
+
+    The bound: both steps round the same sums at the same precision, in different places, so each
+    lies about as far from the exact values (float64, same weights, same images) as the other, and
+    the two lie within twice that of each other. Each of the loss and the gradients may differ
+    from eager's by 4 times eager's own distance from float64, relative to its size, and by at
+    least 4 times the median of those distances (a tensor that eager happened to round well would
+    set too tight a bound). At a run's first weights that distance is, per tensor, about 1e-5
+    (--tiny) to 2e-3 (full width) in fp32, 5-12 % in fp16 and 15-45 % in bf16 (measured on the
+    CPU): the batch norms' gradients cancel most of their terms. A NaN, or a gradient zeroed or
+    doubled (off by 100 % of its size), lies outside in fp32 and fp16, and for most tensors in bf16."""
+    exact_on = x.device if x.device.type != 'mps' else torch.device('cpu')  # MPS has no float64
+    exact_net = copy.deepcopy(networks.net).to(exact_on, torch.float64)
+
+    def loss_and_gradients(model, loss_function, images):
+        params = [p for p in model.parameters() if p.requires_grad]
+        for p in params:
+            p.grad = None
+        loss = loss_function(model, images, y.to(images.device), hyp['label_smoothing'])[0]
+        loss.backward()
+        return [t.detach().cpu().double() for t in [loss, *(p.grad for p in params)]]
+
+    names = ['the loss'] + [f"{name}'s gradient" for name, p in networks.net.named_parameters() if p.requires_grad]
+    exact = loss_and_gradients(exact_net, summed_loss, x.to(exact_on, torch.float64))
+    eager = loss_and_gradients(networks.model, summed_loss, x)
+    compiled = loss_and_gradients(networks.model, networks.summed_loss, x)
+    for name, c in zip(names, compiled):
+        if not torch.isfinite(c).all():
+            return f'{name} is not finite'
+    size = [float(t.norm()) or 1.0 for t in exact]
+    eager_error = [float((e - t).norm()) / n for e, t, n in zip(eager, exact, size)]
+    floor = float(np.median(eager_error))
+    for name, c, e, n, error in zip(names, compiled, eager, size, eager_error):
+        gap, bound = float((c - e).norm()) / n, 4 * max(error, floor)
+        if gap > bound:
+            return f'{name} differs from eager by {gap:.2g} of its size, beyond the {bound:.2g} its rounding allows'
+    return None
+
+
+def compile_failure_line(error, disagreement, rank, world):
+    """The one line that says a compilation failed or disagreed with eager (neither: on another
+    rank), and why."""
+    on_rank = f' on rank {rank}' if world > 1 else ''
+    if disagreement is not None:
+        return f"torch.compile's training step disagrees with eager{on_rank} ({disagreement}): training eager instead"
     if error is None:
         return 'torch.compile failed on another rank (its line says why): every rank trains eager instead'
     chain = exception_chain(error, implicit=False)
@@ -1640,7 +1734,7 @@ def compile_failure_line(error, rank, world):
     cache = inductor_cache()
     hint = (f'; {cache} may hold a file of an interrupted compilation: delete it to compile again'
             if cache and any(cache in str(e) for e in chain) else '')
-    return f"torch.compile failed{f' on rank {rank}' if world > 1 else ''} ({reason}): training eager instead{hint}"
+    return f"torch.compile failed{on_rank} ({reason}): training eager instead{hint}"
 
 
 def exception_chain(error, implicit=True):
