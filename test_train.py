@@ -105,10 +105,10 @@ def small_model(hyp_overrides=None, whitening=None):
     return T.ResNet9(torch.randn(27, 3, 3, 3) if whitening is None else whitening, hyp), hyp
 
 
-def small_networks(hyp_overrides=None, compile=False, channels_last=False, dtype=torch.float32):
+def small_networks(hyp_overrides=None, compiled=False, channels_last=False, dtype=torch.float32):
     """Networks on the CPU, narrow, initialised from seed 0 with random whitening filters."""
     hyp = {**T.HYP, 'channels': (8, 8, 16, 16), **(hyp_overrides or {})}
-    networks = T.Networks(hyp, torch.device('cpu'), dtype, compile, channels_last)
+    networks = T.Networks(hyp, torch.device('cpu'), dtype, compiled, channels_last)
     networks.reinitialise(torch.randn(27, 3, 3, 3, generator=torch.Generator().manual_seed(1)), seed=0)
     return networks, hyp
 
@@ -202,10 +202,10 @@ def test_schedule_at_and_between_knots(epochs, epoch, expected):
 def test_each_step_uses_the_schedule_at_its_own_end():
     networks, hyp = small_networks({'batch_size': 32, 'epochs': 10})
     rates = []
-    real_step = networks.opt.step
-    networks.opt.step = lambda lr: (rates.append(lr), real_step(lr))
+    real_step = networks.optimiser.step
+    networks.optimiser.step = lambda lr: (rates.append(lr), real_step(lr))
     images, labels = torch.randn(64, 3, 32, 32), torch.randint(0, 10, (64,))
-    *_, lr = T.train_epoch(networks, images, labels, 2, 0, hyp)
+    *_, lr = T.train_epoch(networks, images, labels, 1, 2, hyp)
     assert rates == pytest.approx([0.25, 0.5])                    # steps 1 and 2 of 2 in epoch 1: peak 1.0 at epoch 2
     assert lr == pytest.approx(0.5)
 
@@ -506,14 +506,14 @@ def test_achieved_tflops_and_mfu_by_hand():
 @numeric
 def test_reinitialised_networks_equal_a_newly_built_network():
     networks, hyp = small_networks({'batch_size': 64})
-    T.train_epoch(networks, torch.randn(128, 3, 32, 32), torch.randint(0, 10, (128,)), 2, 0, hyp)
+    T.train_epoch(networks, torch.randn(128, 3, 32, 32), torch.randint(0, 10, (128,)), 1, 2, hyp)
     whitening = torch.randn(27, 3, 3, 3)
     networks.reinitialise(whitening, seed=3)
     torch.manual_seed(3)
     fresh = T.ResNet9(whitening, hyp).state_dict()
-    for model in (networks.net, networks.ema):
+    for model in (networks.network, networks.ema):
         assert all(torch.equal(model.state_dict()[k], fresh[k]) for k in fresh)
-    assert all((v == 0).all() for g in networks.opt.groups for v in g['velocities'])
+    assert all((v == 0).all() for g in networks.optimiser.groups for v in g['velocities'])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -542,13 +542,13 @@ def test_ema_updates_after_batches_0_5_10_of_every_epoch():
     momentum 0 the EMA is a copy of the model as it was after the last update's step."""
     networks, hyp = small_networks({'batch_size': 32, 'epochs': 4, 'ema_momentum': 0.0})
     after_step, fired = [], []
-    real_step, real_update = networks.opt.step, T.ema_update
-    networks.opt.step = lambda lr: (real_step(lr), after_step.append(networks.net.head.weight.detach().clone()))
+    real_step, real_update = networks.optimiser.step, T.ema_update
+    networks.optimiser.step = lambda lr: (real_step(lr), after_step.append(networks.network.head.weight.detach().clone()))
     images, labels = torch.randn(7 * 32, 3, 32, 32), torch.randint(0, 10, (7 * 32,))
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(T, 'ema_update', lambda *args: (fired.append(len(after_step)), real_update(*args)))
         for epoch in range(2):
-            T.train_epoch(networks, images, labels, 7, 7 * epoch, hyp)
+            T.train_epoch(networks, images, labels, epoch + 1, 7, hyp)
     assert fired == [1, 6, 8, 13]                                 # batches 0 and 5 of each 7-step epoch
     ema = networks.ema.head.weight
     assert torch.equal(ema, after_step[12]) and not torch.equal(ema, after_step[13])
@@ -573,9 +573,9 @@ def test_no_host_sync_in_an_epoch_the_optimiser_or_the_ema():
         torch.zeros(2).sum().item()                               # the log sees a sync ...
     assert log.syncs == 1
     with SyncLog() as log:                                        # ... and none in a whole epoch
-        T.train_epoch(networks, images, labels, 6, 0, hyp)
-        networks.opt.step(0.5)
-        T.ema_update(*networks.averaged, 0.9)
+        T.train_epoch(networks, images, labels, 1, 6, hyp)
+        networks.optimiser.step(0.5)
+        T.ema_update(*networks.ema_pairs, 0.9)
     assert log.syncs == 0
 
 
@@ -583,11 +583,11 @@ def test_gradients_are_freed_before_each_forward():
     """Step t's gradients must not be alive while step t+1's forward allocates its activations."""
     networks, hyp = small_networks({'batch_size': 32})
     alive = []
-    networks.net.register_forward_pre_hook(
+    networks.network.register_forward_pre_hook(
         lambda module, args: alive.append(any(p.grad is not None for p in module.parameters())))
-    T.train_epoch(networks, torch.randn(3 * 32, 3, 32, 32), torch.randint(0, 10, (3 * 32,)), 3, 0, hyp)
+    T.train_epoch(networks, torch.randn(3 * 32, 3, 32, 32), torch.randint(0, 10, (3 * 32,)), 1, 3, hyp)
     assert alive == [False, False, False]
-    assert all(p.grad is not None for p in networks.net.parameters() if p.requires_grad)   # the last step's
+    assert all(p.grad is not None for p in networks.network.parameters() if p.requires_grad)   # the last step's
 
 
 class ShapeLog(torch.utils._python_dispatch.TorchDispatchMode):
@@ -611,11 +611,11 @@ def test_warm_up_makes_every_tensor_shape_of_a_run(dataset):
     batches) has its shape made in the warm-up too."""
     data = T.load_cifar10(T.ensure_cifar10(dataset))
     hyp = {**T.HYP, **T.TINY, 'epochs': 2, 'batch_size': 128, 'eval_batch_size': 64}   # 200 test images: 64 x 3 + 8
-    networks = T.Networks(hyp, torch.device('cpu'), torch.float32, compile=False, channels_last=False)
+    networks = T.Networks(hyp, torch.device('cpu'), torch.float32, compiled=False, channels_last=False)
     with ShapeLog() as warm:
-        T.warm_up(data, networks, hyp, torch.device('cpu'), lambda *args: None)
+        T.warm_up(data, networks, hyp)
     with ShapeLog() as run:
-        T.train_run(data, networks, hyp, torch.device('cpu'), 0, lambda row: None)
+        T.train_run(data, networks, hyp, 0, lambda row: None)
     assert run.shapes <= warm.shapes, sorted(run.shapes - warm.shapes)
     assert ((1000, 3, 40, 40), torch.float32) in warm.shapes and ((8, 3, 32, 32), torch.float32) in warm.shapes
 
@@ -1085,7 +1085,7 @@ def test_training_keeps_the_fold_in_true_fp32_and_only_the_evaluation_uses_tf32(
     networks, hyp = small_networks()
     images, labels = torch.randn(64, 3, 32, 32), torch.arange(64) % 10
     with PrecisionLog() as training:
-        T.train_epoch(networks, images, labels, 1, 0, {**hyp, 'batch_size': 64})
+        T.train_epoch(networks, images, labels, 1, 1, {**hyp, 'batch_size': 64})
     with PrecisionLog() as evaluation:
         T.evaluate(networks, images, labels, hyp)
     assert training.seen == {(False, False)} and evaluation.seen == {(True, True)}
@@ -1169,15 +1169,16 @@ def test_tiny_run_learns_prints_the_table_and_writes_its_files(dataset, tmp_path
 def test_progress_line_by_hand(monkeypatch, capsys):
     clock = iter([100.0, 100.5, 102.0, 102.5, 104.0])            # the ends of steps 1, 2, 3, 4 and 10
     monkeypatch.setattr(T.time, 'perf_counter', lambda: next(clock))
-    progress = T.Progress(enabled=True)
+    progress = T.Progress(enabled=True, images_per_step=64).of('run 1/1', 10)
     for step in (1, 2, 3, 4, 10):
-        progress.step('run 1/1, epoch 1/10', step, 10, 64)
+        progress(1, step, 10)
     progress.clear()
     shown = capsys.readouterr().err.split('\r\033[K')
     # steps 2 and 4 came 0.5 s after a shown line: not shown (once a second); step 3: 2 steps of 64 in 2 s
     assert shown[1:] == ['run 1/1, epoch 1/10: step 1/10', 'run 1/1, epoch 1/10: step 3/10, 64 images/s, 7 s left in the epoch',
                          'run 1/1, epoch 1/10: step 10/10, evaluating', '']
-    assert T.Progress(enabled=False).step('x', 1, 10, 64) is None and capsys.readouterr().err == ''
+    assert T.Progress(enabled=False, images_per_step=64).of('x', 10)(1, 1, 10) is None
+    assert capsys.readouterr().err == ''
 
 
 def test_seeds_make_runs_repeatable_and_different(dataset, tmp_path):
@@ -1206,7 +1207,7 @@ def test_ctrl_c_at_any_stage_ends_cleanly(dataset, tmp_path, monkeypatch, capsys
     real = getattr(T, stage)
 
     def interrupt(*args, **kwargs):
-        seed = kwargs.get('seed', args[4] if len(args) > 4 else None)
+        seed = kwargs.get('seed', args[3] if len(args) > 3 else None)
         if stage != 'train_run' or seed == 11:                    # train_run: in run 2 of seeds 10, 11, 12
             raise KeyboardInterrupt
         return real(*args, **kwargs)
@@ -1501,10 +1502,10 @@ cpu = torch.device('cpu')
 for name, compile, channels_last in [('eager_nchw', False, False), ('eager_cl', False, True), ('compiled', True, True)]:
     networks, compiled = T.compiled_warm_up(data, hyp, cpu, torch.float32, compile, channels_last, lambda *a: None, print)
     assert compiled == compile
-    rows = T.train_run(data, networks, hyp, cpu, 0, lambda row: None)
-    torch.save(dict(rows=rows, net=networks.net.state_dict(), ema=networks.ema.state_dict()), f'{out}/{{name}}.pt')
+    rows = T.train_run(data, networks, hyp, 0, lambda row: None)
+    torch.save(dict(rows=rows, net=networks.network.state_dict(), ema=networks.ema.state_dict()), f'{out}/{{name}}.pt')
     if compile:                                   # a second run, with another seed: nothing may recompile
-        T.train_run(data, networks, hyp, cpu, 1, lambda row: None)
+        T.train_run(data, networks, hyp, 1, lambda row: None)
 """
 
 
@@ -1544,25 +1545,25 @@ torch.set_num_threads(1)                          # two workers share the two co
 dtype, cpu = getattr(torch, {dtype!r}), torch.device('cpu')
 data = T.load_cifar10(T.ensure_cifar10({data!r}))
 hyp = {{**T.HYP, **T.TINY}}
-networks = T.Networks(hyp, cpu, dtype, compile=True, channels_last=True)
+networks = T.Networks(hyp, cpu, dtype, compiled=True, channels_last=True)
 networks.reinitialise(T.whitening_filters(T.normalise(data['train_images'], cpu, torch.float32), 1e-2), seed=0)
 x = T.normalise(data['train_images'][:64], cpu, dtype).contiguous(memory_format=torch.channels_last)
 y = torch.from_numpy(data['train_labels'][:64])
 disagreement = T.compiled_step_disagreement(networks, x, y, hyp)   # leaves the compiled step's gradients
-compiled = {{n: p.grad.clone() for n, p in networks.net.named_parameters() if p.requires_grad}}
-networks.opt.zero_grad()
-T.summed_loss(networks.model, x, y, hyp['label_smoothing'])[0].backward()
-eager = {{n: p.grad.clone() for n, p in networks.net.named_parameters() if p.requires_grad}}
+compiled = {{n: p.grad.clone() for n, p in networks.network.named_parameters() if p.requires_grad}}
+networks.optimiser.zero_grad()
+T.summed_loss(networks.parallel, x, y, hyp['label_smoothing'])[0].backward()
+eager = {{n: p.grad.clone() for n, p in networks.network.named_parameters() if p.requires_grad}}
 networks.reinitialise(networks.initial.prep[0].whitening, seed=0)
-losses = [T.summed_loss(networks.net, x, y, hyp['label_smoothing'])[0].item() / 64]
+losses = [T.summed_loss(networks.network, x, y, hyp['label_smoothing'])[0].item() / 64]
 batches = x.repeat(5, 1, 1, 1).contiguous(memory_format=torch.channels_last), y.repeat(5)
 for epoch in range(3):                            # a learnable task: 3 epochs of 5 steps on one batch
-    T.train_epoch(networks, *batches, 5, 5 * epoch, {{**hyp, 'epochs': 3}})
-losses.append(T.summed_loss(networks.net, x, y, hyp['label_smoothing'])[0].item() / 64)
+    T.train_epoch(networks, *batches, epoch + 1, 5, {{**hyp, 'epochs': 3}})
+losses.append(T.summed_loss(networks.network, x, y, hyp['label_smoothing'])[0].item() / 64)
 test = T.normalise(data['test_images'], cpu, networks.ema_dtype).contiguous(memory_format=torch.channels_last)
 evaluation = T.evaluate(networks, test, torch.from_numpy(data['test_labels']), hyp)
 torch.save(dict(disagreement=disagreement, compiled=compiled, eager=eager, losses=losses, evaluation=evaluation,
-                net={{n: t.dtype for n, t in networks.net.state_dict().items()}},
+                net={{n: t.dtype for n, t in networks.network.state_dict().items()}},
                 ema={{n: t.dtype for n, t in networks.ema.state_dict().items()}}), {out!r})
 """
 
@@ -1635,10 +1636,10 @@ def compiles_wrongly(factor):
     return compile
 
 
+@numeric
 @pytest.mark.parametrize('factor, what', [(math.nan, "prep.0.weight's gradient is not finite"),
                                           (0.0, "prep.0.weight's gradient differs from eager by 1 of its size"),
                                           (2.0, "prep.0.weight's gradient differs from eager by 1 of its size")])
-@numeric
 def test_a_compiled_step_that_disagrees_with_eager_trains_eager_in_one_line(dataset, monkeypatch, capsys, factor, what):
     """A NaN raises nothing: the start-up check compares the compiled step with eager's."""
     monkeypatch.setattr(T.torch, 'compile', compiles_wrongly(factor))
@@ -1665,8 +1666,8 @@ def test_every_gradient_has_its_weights_strides_in_channels_last():
     of 1x1 kernels, had them."""
     networks, hyp = small_networks(channels_last=True)
     x = torch.randn(64, 3, 32, 32).contiguous(memory_format=torch.channels_last)
-    T.summed_loss(networks.net, x, torch.arange(64) % 10, 0.2)[0].backward()
-    assert all(p.grad.stride() == p.stride() for p in networks.net.parameters() if p.requires_grad)
+    T.summed_loss(networks.network, x, torch.arange(64) % 10, 0.2)[0].backward()
+    assert all(p.grad.stride() == p.stride() for p in networks.network.parameters() if p.requires_grad)
 
 
 def test_a_compile_that_cannot_compile_falls_back_to_eager_in_one_line(dataset):
@@ -1729,7 +1730,7 @@ data = T.load_cifar10(T.ensure_cifar10({data!r}))
 hyp = {{**T.HYP, **T.TINY, 'epochs': 1}}
 cpu = torch.device('cpu')
 networks, compiled = T.compiled_warm_up(data, hyp, cpu, torch.float32, True, True, lambda *a: None, print)
-T.train_run(data, networks, hyp, cpu, 0, lambda row: None)
+T.train_run(data, networks, hyp, 0, lambda row: None)
 print(f'rank {{rank}} compiled={{compiled}}', flush=True)
 torch.save(networks.ema.state_dict(), f'{out}/ema_{{rank}}.pt')
 dist.destroy_process_group()
@@ -1846,14 +1847,14 @@ if world > 1:
 data = T.load_cifar10(T.ensure_cifar10({data!r}))
 if world > 1:  # 30 steps of --tiny: the ranks must still agree bit for bit
     hyp = {{**T.HYP, **T.TINY, 'epochs': 2}}
-    networks = T.Networks(hyp, cpu, torch.float32, compile=False, channels_last=True)
-    T.train_run(data, networks, hyp, cpu, 0, lambda row: None)
+    networks = T.Networks(hyp, cpu, torch.float32, compiled=False, channels_last=True)
+    T.train_run(data, networks, hyp, 0, lambda row: None)
     torch.save(networks.ema.state_dict(), f'{{out}}/long_{{rank}}.pt')
 # 2 steps of 64 images at lr 1 in float64; after each, batch-norm averaging and an "EMA" that copies the model
 short = {{k: v[:128] if k.startswith('train') else v for k, v in data.items()}}
 hyp = {{**T.HYP, **T.TINY, 'epochs': 1, 'lr_peak': 1.0, 'lr_floor': 1.0, 'ema_every': 1, 'ema_momentum': 0.0}}
-networks = T.Networks(hyp, cpu, torch.float64, compile=False, channels_last=True)
-rows = T.train_run(short, networks, hyp, cpu, 0, lambda row: None)
+networks = T.Networks(hyp, cpu, torch.float64, compiled=False, channels_last=True)
+rows = T.train_run(short, networks, hyp, 0, lambda row: None)
 torch.save(networks.ema.state_dict(), f'{{out}}/short_{{world}}_{{rank}}.pt')
 (open(f'{{out}}/rows_{{world}}_{{rank}}.json', 'w')).write(json.dumps(rows))
 if world > 1:  # leave with an all-reduce in flight (rank 1 comes late) whose tensor only gloo holds
@@ -1980,13 +1981,13 @@ def page_step(page, device, dtype, batch_size):
                                   (*tb.default_train_steps, tb.update_ema(momentum=0.99, update_freq=5)))
 
 
-def our_steps(device, dtype, compile, channels_last, hyp):
+def our_steps(device, dtype, compiled, channels_last, hyp):
     """train_epoch over the given batches, on networks built as main builds them, with the given
     speed settings."""
-    networks = T.Networks(hyp, device, dtype, compile, channels_last)
+    networks = T.Networks(hyp, device, dtype, compiled, channels_last)
     networks.reinitialise(torch.randn(27, 3, 3, 3), seed=0)
     layout = networks.memory_format
-    return lambda x, y, steps: T.train_epoch(networks, x.contiguous(memory_format=layout), y, steps, 100, hyp)
+    return lambda x, y, steps: T.train_epoch(networks, x.contiguous(memory_format=layout), y, 2, steps, hyp)
 
 
 def page_steps(page, device, dtype, batch_size):
@@ -2019,11 +2020,9 @@ def test_benchmark_full_width_training_steps():
     times = {name: [] for name in steps}
     for _ in range(int(os.environ.get('BENCHMARK_REPS', 3))):
         for name, step in steps.items():
-            T.synchronize(device)
-            start = time.perf_counter()
+            start = T.synced_clock(device)
             step(x, y, n_steps)
-            T.synchronize(device)
-            times[name].append((time.perf_counter() - start) / n_steps)
+            times[name].append((T.synced_clock(device) - start) / n_steps)
     page = np.median(times["Page's cifar10-fast"]) if "Page's cifar10-fast" in times else None
     print(f'\n{n_steps} training steps between syncs, batch {batch}, {T.device_description(device)}, {dtype}, '
           f'torch {torch.__version__}; median of {len(next(iter(times.values())))} interleaved repetitions')

@@ -1,11 +1,11 @@
 """Train a ResNet9 on CIFAR-10 to 94% in 10 epochs: David Page's recipe in one file.
 
-    python train_cifar10.py --tiny                                 # proves an install in seconds on a CPU
-    python train_cifar10.py --epochs 10 --runs 50 --json a.json    # the recipe, 50 times, with a summary
-    python train_cifar10.py --epochs 10 --runs 50 --resume a.json  # the same job, after a lost machine
+    python train_cifar10.py --tiny                                # an install check, seconds
+    python train_cifar10.py --epochs 10 --runs 50 --json a.json   # the recipe 50 times, a summary
+    python train_cifar10.py --epochs 10 --runs 50 --resume a.json # the same job, resumed
     python train_cifar10.py --epochs 10 --runs 50 --cutout 8 --json b.json   # a variant
-    python train_cifar10.py --compare a.json b.json                # is the variant better?
-    torchrun --nproc_per_node=8 train_cifar10.py                   # data-parallel over 8 GPUs, same results
+    python train_cifar10.py --compare a.json b.json               # is the variant better?
+    torchrun --nproc_per_node=8 train_cifar10.py                  # data-parallel over 8 GPUs
 
 This is the final recipe of David Page's series "How to train your ResNet" (Myrtle.ai, 2018-19),
 which reached 94.1% mean test accuracy in 10 epochs (26 s on one V100) and topped DAWNBench:
@@ -15,14 +15,14 @@ on a piecewise-linear schedule, an exponential moving average (EMA) of the weigh
 left-right flip test-time augmentation (TTA). Data loading, preprocessing and augmentation run on
 the training device over whole batches, so the GPU never waits for a Python loop.
 
-Read top to bottom: hyperparameters, data, augmentation, network, training, evaluation, one run,
-reporting, main. Depends on torch and numpy only.
+Read it top to bottom: the hyperparameters, then the recipe in the order a run uses it (the data
+as arrays, preprocessing and augmentation, the network, training, evaluation, one run). Below one
+banner comes the harness, which changes no number: download, devices, compilation, torchrun,
+timing, reporting, statistics, job files, the command line. Depends on torch and numpy only.
 
-Evidence, as measured (README.md has the tables): no GPU has timed this version yet. On a 2-core
-x86_64 CPU with torch 2.13.0+cpu (2026-11-22), --tiny on the JPEG-derived CIFAR-10 stand-in
-finishes in 16-18 s of wall time (3 runs), and a full-width training step takes 7.1 s compiled in
-channels_last, against 9.8 s for Page's own code doing the same step (3 interleaved repetitions).
-One whole 10-epoch run there (run_log.txt) reached 90.82 % on the stand-in in 1 h 55 min.
+Evidence (README.md has the tables): no GPU has timed this version yet. On 2 x86_64 CPU cores,
+torch 2.13.0+cpu, one 10-epoch run (run_log.txt) reached 90.82 % on a JPEG-derived stand-in for
+CIFAR-10 in 1 h 55 min; a full-width step took 7.1 s, Page's own code 9.8 s (2026-11-22).
 """
 import argparse
 import codecs
@@ -85,15 +85,13 @@ HYP = dict(
     whitening_eps=1e-2,      # ... each filter divided by sqrt(eigenvalue + eps)
     pad=4,                   # Page: reflect-pad by 4, then take a random 32x32 crop
     cutout=0,                # side of a zeroed square; 0 in the 10-epoch recipe, Page used 8 later
-    augment_options=200,     # Page's loader: each epoch at most 200 crop (or cutout) positions, each
-                             # for an equal share of the images, and exactly half the images flipped
+    augment_options=200,     # Page's loader: each epoch at most 200 crop (or cutout) positions,
+                             # each for an equal share of the images; exactly half of them flipped
     eval_batch_size=1000,    # any size gives the same results; 1000 divides the 10,000 test images
 )
 # --tiny: the same code path on a subset with a narrow network, so that a 2-core CPU finishes in
-# seconds and still learns well above chance. Its 184 steps are too few for the EMA's horizon at
-# 0.99 (~100 steps: the average would still hold the first, poor epochs), so its EMA uses 0.9
-# (~10 steps). Its whitening sees all of its 3,000 images. 250 test images per batch fit a CPU's
-# caches better than 1000.
+# seconds and still learns well above chance. Its 184 steps are too few for an EMA at 0.99 (a
+# horizon of ~100 steps), hence 0.9; 250 test images a batch fit a CPU's caches better than 1000.
 TINY = dict(epochs=4, batch_size=64, train_images=3000, test_images=500, channels=(8, 16, 32, 64),
             ema_momentum=0.9, whitening_images=3000, eval_batch_size=250)
 
@@ -102,11 +100,10 @@ CIFAR10_MEAN = (125.31, 122.95, 113.87)
 CIFAR10_STD = (62.99, 62.09, 66.70)
 
 # =============================================================================================
-# Data: download, safe loading and checks
+# The recipe, in the order a run uses it. 1. The data: CIFAR-10 as uint8 arrays
 # =============================================================================================
-CIFAR10_URL = 'https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz'
-CIFAR10_MD5 = 'c58f30108f718f92721af3b95e74349a'
-BATCHES_DIR = 'cifar-10-batches-py'
+NUM_CLASSES = 10
+CLASSES = ('airplane', 'automobile', 'bird', 'cat', 'deer', 'dog', 'frog', 'horse', 'ship', 'truck')
 TRAIN_FILES = ('data_batch_1', 'data_batch_2', 'data_batch_3', 'data_batch_4', 'data_batch_5')
 TEST_FILE = 'test_batch'
 OFFICIAL_MD5 = {
@@ -117,191 +114,28 @@ OFFICIAL_MD5 = {
     'data_batch_5': '482c414d41f54cd18b22e5b47d7c54d7',
     'test_batch': '40351d587109b95175f43aff81a1287e',
 }
-NUM_CLASSES = 10
-CLASSES = ('airplane', 'automobile', 'bird', 'cat', 'deer', 'dog', 'frog', 'horse', 'ship', 'truck')
-
-
-class UserError(Exception):
-    """A problem the user can fix: main prints the message on one line and exits non-zero."""
-
-
-def download(url, archive, md5):
-    """Download url to archive with a progress line; the archive appears only once its md5 checks.
-
-    The bytes arrive in archive.part. If a download stops half-way (a dropped connection, Ctrl-C),
-    that file is kept and the next call asks the server for the rest (an HTTP Range request); a
-    server that ignores the request sends the whole file again.
-    """
-    partial = archive.with_name(archive.name + '.part')
-    done = partial.stat().st_size if partial.exists() else 0
-    request = urllib.request.Request(url, headers={'Range': f'bytes={done}-'} if done else {})
-    try:
-        with urllib.request.urlopen(request, timeout=60) as response:
-            if done and not str(response.headers.get('Content-Range', '')).startswith(f'bytes {done}-'):
-                done = 0  # the server sent the whole file
-            total = done + int(response.headers.get('Content-Length') or 0)
-            with open(partial, 'ab' if done else 'wb') as out:
-                while chunk := response.read(1 << 20):
-                    out.write(chunk)
-                    done += len(chunk)
-                    share = f' ({100 * done / total:.0f}%)' if total else ''
-                    print(f'\rdownloading {url}: {done / 1e6:.1f} MB{share}', end='', file=sys.stderr)
-            if done < total:  # read() returns nothing, rather than raising, when a connection drops
-                raise http.client.IncompleteRead(b'', total - done)
-        print(file=sys.stderr)
-    except urllib.error.HTTPError as e:
-        if e.code != 416 or not partial.exists():  # 416: nothing beyond the partial file, it may be whole
-            raise UserError(f'cannot download {url} ({e.code} {e.reason}): check the address, or put '
-                            f'{BATCHES_DIR}/ into {archive.parent} yourself') from None
-    except (OSError, http.client.HTTPException) as e:
-        print(file=sys.stderr)
-        reason = getattr(e, 'reason', None) or repr(e)
-        if partial.exists() and partial.stat().st_size:
-            raise UserError(f'the download of {url} stopped at {partial.stat().st_size / 1e6:.1f} MB ({reason}); '
-                            f'run again to resume it from {partial}') from None
-        partial.unlink(missing_ok=True)
-        raise UserError(f'cannot download {url} ({reason}): check the network, or put '
-                        f'{BATCHES_DIR}/ into {archive.parent} yourself') from None
-    got = file_md5(partial)
-    if got != md5:
-        partial.unlink()
-        raise UserError(f'the download of {url} has md5 {got}, not {md5}: it is damaged or not the '
-                        'CIFAR-10 archive; nothing was kept, try again')
-    os.replace(partial, archive)
-
-
-def extract(archive, data_dir):
-    """Extract the archive's cifar-10-batches-py/ into data_dir, whole or not at all."""
-    if not hasattr(tarfile, 'data_filter'):
-        raise UserError(f'this Python {platform.python_version()} cannot extract archives safely (tarfile has no '
-                        'data filter): use Python 3.10.12, 3.11.4, 3.12 or later')
-    staging = tempfile.mkdtemp(dir=data_dir, prefix='.extract-')
-    try:
-        with tarfile.open(archive, 'r:gz') as tar:
-            tar.extractall(staging, filter='data')  # refuses absolute paths, links out, devices
-        if not os.path.isdir(os.path.join(staging, BATCHES_DIR)):
-            raise UserError(f'{archive} holds no {BATCHES_DIR}/: it is not the CIFAR-10 python archive')
-        os.replace(os.path.join(staging, BATCHES_DIR), data_dir / BATCHES_DIR)
-    except (tarfile.TarError, EOFError, OSError) as e:  # zlib.error is an OSError subclass here
-        raise UserError(f'{archive} is truncated or corrupt ({e}): delete it and run again') from None
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-
-
-def ensure_cifar10(data_dir, url=None, md5=None):
-    """The folder of CIFAR-10's batch files: data_dir itself if it is one (torchvision users often
-    point at it), else data_dir/cifar-10-batches-py, downloaded from url (the official address by
-    default) and extracted if it is missing. A failed download leaves behind only a partial
-    archive to resume, never a folder it made for nothing."""
-    data_dir, url, md5 = Path(data_dir), url or CIFAR10_URL, md5 or CIFAR10_MD5
-    if data_dir.is_file():
-        raise UserError(f'--data-dir {data_dir} is a file, not a folder')
-    if (data_dir / TRAIN_FILES[0]).is_file():
-        return data_dir
-    if (data_dir / BATCHES_DIR).is_dir():
-        return data_dir / BATCHES_DIR
-    created = next((p for p in [*reversed(data_dir.absolute().parents), data_dir.absolute()] if not p.exists()), None)
-    try:
-        data_dir.mkdir(parents=True, exist_ok=True)
-        tempfile.TemporaryFile(dir=data_dir).close()
-    except OSError as e:
-        raise UserError(f'cannot write to --data-dir {data_dir} ({e.strerror}): choose another one') from None
-    archive = data_dir / url.rsplit('/', 1)[-1]
-    try:
-        if not archive.exists():
-            try:
-                download(url, archive, md5)
-            except UserError as e:  # a mistyped --data-dir is likelier than a network fault: say it first
-                check = ' (is that path right?)' if created else ''
-                raise UserError(f'no CIFAR-10 in --data-dir {data_dir}{check}; '
-                                f'downloading it there failed: {e}') from None
-        elif file_md5(archive) != md5:
-            raise UserError(f'{archive} exists but its md5 is not {md5}: delete it to download again, '
-                            f'or extract your copy so that {data_dir / BATCHES_DIR} exists')
-        extract(archive, data_dir)
-    finally:
-        if created and not any(data_dir.iterdir()):
-            shutil.rmtree(created)  # the folders this call made, still empty: the download failed
-    return data_dir / BATCHES_DIR
-
-
-def file_md5(path):
-    digest = hashlib.md5()
-    with open(path, 'rb') as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-class NumpyOnlyUnpickler(pickle.Unpickler):
-    """Unpickles the CIFAR-10 batch files without running code from them.
-
-    A pickle can name any importable function and call it; the batch files only need numpy's
-    array constructor and dtype, plus codecs.encode, which is how Python 3 writes bytes into a
-    protocol-2 pickle. Anything else is refused.
-    """
-    reconstruct = np.ndarray.__reduce__(np.zeros(0))[0]  # numpy's own, under either module name
-    SAFE = {
-        ('numpy.core.multiarray', '_reconstruct'): reconstruct,   # numpy < 2 spelling
-        ('numpy._core.multiarray', '_reconstruct'): reconstruct,  # numpy >= 2 spelling
-        ('numpy', 'ndarray'): np.ndarray,
-        ('numpy', 'dtype'): np.dtype,
-        ('_codecs', 'encode'): codecs.encode,
-    }
-
-    def find_class(self, module, name):
-        if (module, name) not in self.SAFE:
-            raise pickle.UnpicklingError(f'it refers to {module}.{name}, which a data file never needs')
-        return self.SAFE[module, name]
-
-
-def read_batch(path):
-    """One batch file as (uint8 images N x 3 x 32 x 32, int64 labels N, md5 of the file)."""
-    try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
-        raise UserError(f'{path} is missing: {path.parent} is not a complete CIFAR-10 python copy') from None
-    try:
-        batch = NumpyOnlyUnpickler(io.BytesIO(raw), encoding='latin1').load()
-    except pickle.UnpicklingError as e:
-        if 'never needs' in str(e):
-            raise UserError(f'refusing to load {path}: {e} (the file may have been tampered with)') from None
-        raise UserError(f'{path} is truncated or corrupt ({e}): delete {path.parent} and run again') from None
-    except Exception as e:  # a damaged pickle can fail in many ways: EOFError, ValueError, ...
-        raise UserError(f'{path} is truncated or corrupt ({type(e).__name__}: {e}): '
-                        f'delete {path.parent} and run again') from None
-    data = batch.get('data') if isinstance(batch, dict) else None
-    labels = batch.get('labels') if isinstance(batch, dict) else None
-    if not (isinstance(data, np.ndarray) and data.dtype == np.uint8 and data.ndim == 2
-            and data.shape[1] == 3 * 32 * 32 and data.shape[0] > 0):
-        raise UserError(f'{path} does not hold a "data" array of uint8 rows of 3072 pixels: wrong layout')
-    labels = np.asarray(labels) if isinstance(labels, (list, np.ndarray)) else np.zeros(0)
-    if labels.shape != (len(data),) or labels.dtype.kind not in 'iu':
-        raise UserError(f'{path} does not hold one integer label per image: wrong layout')
-    if labels.min() < 0 or labels.max() >= NUM_CLASSES:
-        raise UserError(f'{path} has labels outside 0..{NUM_CLASSES - 1}: wrong layout')
-    return data.reshape(-1, 3, 32, 32), labels.astype(np.int64), hashlib.md5(raw).hexdigest()
 
 
 def load_cifar10(folder):
-    """The training and test sets as uint8 arrays, and a line saying whether they are official."""
+    """The training and test sets as uint8 arrays (read_batch checks each file), a line saying
+    whether they are the official files, and a digest that names this copy."""
     train = [read_batch(folder / name) for name in TRAIN_FILES]
     test = read_batch(folder / TEST_FILE)
     differing = [name for name, (*_, md5) in zip(TRAIN_FILES + (TEST_FILE,), train + [test])
                  if md5 != OFFICIAL_MD5[name]]
     if differing:
-        provenance = (f'NOT the official CIFAR-10: {", ".join(differing)} differ from the official md5s, '
-                      'so accuracies below are not CIFAR-10 results')
+        provenance = (f'NOT the official CIFAR-10: {", ".join(differing)} differ from the official '
+                      'md5s, so accuracies below are not CIFAR-10 results')
     else:
         provenance = 'official CIFAR-10 (all six batch files match their published md5s)'
-    digest = hashlib.sha256(' '.join(b[2] for b in train + [test]).encode()).hexdigest()[:16]  # names this copy
+    digest = hashlib.sha256(' '.join(b[2] for b in train + [test]).encode()).hexdigest()[:16]
     return dict(train_images=np.concatenate([b[0] for b in train]),
                 train_labels=np.concatenate([b[1] for b in train]),
                 test_images=test[0], test_labels=test[1], provenance=provenance, digest=digest)
 
 
 # =============================================================================================
-# Preprocessing and augmentation, on the training device, over whole batches
+# 2. Preprocessing and augmentation, on the training device, over whole batches
 # =============================================================================================
 def normalise(images, device, dtype):
     """Upload uint8 N x 3 x 32 x 32 images once and normalise them per channel on the device."""
@@ -312,13 +146,10 @@ def normalise(images, device, dtype):
 
 
 def balanced_choice(n, options, max_options, generator):
-    """One of `options` choices for each of n images, drawn as Page's loader draws them.
-
-    At most max_options of the options are picked at random, each is given to an equal share of
-    the images (to within one image), and the images are assigned at random: exactly half of
-    them are flipped, and every crop offset is used equally often. All draws come from the
-    run's CPU generator, so every rank and every device type gets the same ones.
-    """
+    """One of `options` choices for each of n images, as Page's loader draws them: at most
+    max_options of them, picked at random, each given to an equal share of the images (exactly half
+    are flipped, every crop offset is used equally often). The draws come from the run's CPU
+    generator, so every rank and every device type gets the same ones."""
     picked = torch.randperm(options, generator=generator)[:max_options]
     return picked[torch.randperm(n, generator=generator) % len(picked)]
 
@@ -339,13 +170,10 @@ def draw_augmentation(n, hyp, generator):
 
 
 def crop(padded, top, left, size):
-    """Image i's size x size window at (top[i], left[i]), for top and left on the CPU.
-
-    As in Page's loader, the images are grouped by offset (at most 81 groups for a pad of 4) and
-    each group is cut with a plain slice and one index_select: no per-pixel index tensor (a gather
-    needs one 4 times the images' size in int64, and MPS has computed gathers over expanded
-    indices wrongly), and the groups are formed on the CPU, so nothing waits for the device.
-    """
+    """Image i's size x size window at (top[i], left[i]), for top and left on the CPU. As in Page's
+    loader, the images are grouped by offset (at most 81 groups for a pad of 4, formed on the CPU),
+    each cut with a slice and one index_select: no per-pixel gather, whose indices would take 4
+    times the images' memory (and which MPS has computed wrongly)."""
     width = padded.shape[3]
     offset = top * width + left
     order = torch.argsort(offset, stable=True)  # the images grouped by offset
@@ -354,9 +182,10 @@ def crop(padded, top, left, size):
     groups, start = [], 0
     for offset, count in zip(offsets.tolist(), counts.tolist()):
         y, x = divmod(offset, width)
-        groups.append(padded[:, :, y:y + size, x:x + size].index_select(0, index[start:start + count]))
+        window = padded[:, :, y:y + size, x:x + size]
+        groups.append(window.index_select(0, index[start:start + count]))
         start += count
-    return torch.cat(groups).index_select(0, torch.argsort(order).to(padded.device))  # back in image order
+    return torch.cat(groups).index_select(0, torch.argsort(order).to(padded.device))  # image order
 
 
 def flip(images, which):
@@ -365,7 +194,7 @@ def flip(images, which):
 
 
 def cutout(images, top, left, size):
-    """Zero (the mean colour, after normalisation) image i's size x size square at (top[i], left[i])."""
+    """Zero (the mean colour, once normalised) image i's size x size square at (top[i], left[i])."""
     _, _, h, w = images.shape
     ys = torch.arange(h, device=images.device).view(1, h, 1)
     xs = torch.arange(w, device=images.device).view(1, 1, w)
@@ -375,12 +204,10 @@ def cutout(images, top, left, size):
 
 
 def augmented_epoch(padded, labels, hyp, generator, rank=0, world=1):
-    """A fresh crop, flip (and cutout) of every image, shuffled and cut into whole batches.
-
-    With several ranks, every rank draws the same augmentation and order (same generator seed)
-    and keeps images rank, rank+world, ... of each batch: the ghost batch-norm splits (images
-    k, k+s, ...) then hold the same images as in one process at the same global batch size.
-    """
+    """A fresh crop, flip (and cutout) of every image, shuffled and cut into whole batches. Under
+    torchrun every rank draws the same (same seed) and keeps images rank, rank+world, ... of each
+    batch: the ghost batch-norm splits (images k, k+s, ...) then hold the images they hold in one
+    process at the same global batch size."""
     cpu_draws = draw_augmentation(len(padded), hyp, generator)
     draws = {k: v.to(padded.device) for k, v in cpu_draws.items()}
     images = flip(crop(padded, cpu_draws['top'], cpu_draws['left'], 32), draws['flip'])
@@ -388,37 +215,22 @@ def augmented_epoch(padded, labels, hyp, generator, rank=0, world=1):
         images = cutout(images, draws['cutout_top'], draws['cutout_left'], hyp['cutout'])
     b = hyp['batch_size']
     steps = len(images) // b  # drop the last partial batch
-    order = draws['order'][:steps * b].view(steps, b // world, world)[:, :, rank].reshape(-1)  # this rank's share
+    order = draws['order'][:steps * b].view(steps, b // world, world)[:, :, rank].reshape(-1)
     return images[order], labels[order], steps
 
 
 # =============================================================================================
-# Network: whitening, ghost batch norm, ResNet9
+# 3. The network: whitening, ghost batch norm, ResNet9, its flip-TTA forward
 # =============================================================================================
 def at_least_fp32(dtype):
-    """fp32 for fp16 and bf16, the dtype itself for fp32 and wider: the precision of what must not
-    lose the small differences (batch-norm statistics, the loss, the EMA, the whitening's fold)."""
+    """fp32 for fp16 and bf16, the dtype itself for fp32 and wider: the precision of what must
+    keep small differences (batch-norm statistics, the loss, the EMA, the whitening's fold)."""
     return torch.promote_types(dtype, torch.float32)
 
 
-def whitening_filters(images, eps):
-    """Fixed 3x3 conv filters that whiten the 27-dim patches (3 channels x 3 x 3) of the images.
-
-    Page's first layer: the eigenvectors of the patches' second moment X^T X / (N - 1) (not
-    centred, as in Page's code), each divided by sqrt(eigenvalue + eps), in order of decreasing
-    eigenvalue. Patches convolved with these filters have (nearly) identity second moment, which
-    the network would otherwise spend epochs learning. The 27 x 27 moment is summed on the device
-    in fp32 from shifted views (no unfold, which some MPS builds lack); its eigenvectors are found
-    in float64 on the CPU (MPS has no float64).
-    """
-    eigenvalues, eigenvectors = torch.linalg.eigh(patch_moment(images).cpu().double())  # ascending order
-    eigenvalues, eigenvectors = eigenvalues.flip(0), eigenvectors.T.flip(0)
-    filters = eigenvectors / torch.sqrt(eigenvalues + eps)[:, None]
-    return filters.reshape(-1, 3, 3, 3).float().to(images.device)
-
-
 def patch_moment(images):
-    """X^T X / (N - 1) over the N 3x3 patches X (27 values each, in (channel, row, col) order)."""
+    """X^T X / (N - 1) over the N 3x3 patches X (27 values each, in (channel, row, col) order),
+    summed in fp32 from shifted views (some MPS builds lack unfold)."""
     x = images.float()
     n, c, h, w = x.shape
     shifted = [x[:, :, i:i + h - 2, j:j + w - 2] for i in range(3) for j in range(3)]
@@ -426,17 +238,23 @@ def patch_moment(images):
     return (patches @ patches.transpose(1, 2)).sum(0) / (n * patches.shape[2] - 1)
 
 
+def whitening_filters(images, eps):
+    """Page's first layer: fixed 3x3 conv filters that whiten the 27-dim patches of the images, the
+    eigenvectors of the patches' second moment (not centred, as in Page's code) each divided by
+    sqrt(eigenvalue + eps), by decreasing eigenvalue. Whitened patches have (nearly) identity second
+    moment, which the network would otherwise spend epochs learning."""
+    moment = patch_moment(images).cpu().double()  # float64 on the CPU: MPS has no float64
+    eigenvalues, eigenvectors = torch.linalg.eigh(moment)  # in ascending order
+    eigenvalues, eigenvectors = eigenvalues.flip(0), eigenvectors.T.flip(0)
+    filters = eigenvectors / torch.sqrt(eigenvalues + eps)[:, None]
+    return filters.reshape(-1, 3, 3, 3).float().to(images.device)
+
+
 class WhitenedPrep(nn.Module):
     """Page's first two layers, the fixed whitening (3x3, 3 -> 27 channels) and the trainable 1x1
-    prep conv (27 -> c_out), computed as the one 3x3 conv (3 -> c_out) they compose to.
-
-    Its filters, sum_k prep[o, k] x whitening[k], are formed at every step from the trainable 1x1
-    weights, so the function and the prep weights' gradient are those of the two convs, but the
-    27-channel full-resolution activation (56 MB a batch of 512 in fp32) is never written, nor
-    kept for the backward pass. The 1x1 weights are a c_out x 27 matrix, drawn as
-    nn.Conv2d(27, c_out, 1) draws its weights; as a matrix they have no memory format, so in
-    channels_last their gradient's strides are theirs and DistributedDataParallel copies nothing.
-    """
+    prep conv (27 -> c_out), as the one 3x3 conv they compose to, with filters formed at every step
+    from the 1x1 weights (a c_out x 27 matrix). Same function, same gradient; the 27-channel
+    full-resolution activation is never written, nor kept for the backward pass."""
 
     def __init__(self, whitening, c_out):
         super().__init__()
@@ -445,30 +263,23 @@ class WhitenedPrep(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self):
-        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))  # nn.Conv2d's draw: fan-in 27 in both shapes
+        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))  # nn.Conv2d's draw: fan-in 27
 
     def forward(self, x):
-        # fp32 (or wider) whatever the training dtype: the filters' gradient, rounded to fp16 (bf16)
-        # before its projection on the whitening's small-eigenvalue directions, would lose up to 2 %
-        # (30 %) of the 1x1 weights' gradient (measured against float64). With 3 input channels,
-        # the fp32 convolution is cheap, and its output is cast back at once.
+        # fp32 whatever the training dtype: the filters' gradient rounded to fp16 (bf16) would lose
+        # up to 2 % (30 %) of the 1x1 weights' gradient. With 3 input channels, fp32 is cheap.
         wide = at_least_fp32(x.dtype)
         filters = self.weight.to(wide) @ self.whitening.to(wide).flatten(1)
-        return F.conv2d(x.to(wide), filters.view(-1, *self.whitening.shape[1:]), padding=1).to(x.dtype)
+        filters = filters.view(-1, *self.whitening.shape[1:])
+        return F.conv2d(x.to(wide), filters, padding=1).to(x.dtype)
 
 
 class GhostBatchNorm(nn.BatchNorm2d):
-    """Batch norm with statistics over splits of split_size images, scale frozen at 1.
-
-    Small-batch statistics are noisier, which regularises (Page: 32 images per split). With s
-    splits, split k holds images k, k+s, k+2s, ... as in Page's code: x.view(n/s, s, c, h, w)[:, k].
-    Statistics are taken in fp32. The running statistics move by the average of the splits'
-    statistics, which is what one running average per split, averaged, would hold.
-
-    Two ways to the same numbers. Compiled, or in channels_last, the splits are a view of the
-    batch (in any memory layout: never a copy) normalised by var_mean and elementwise operations,
-    which the compiler fuses. Eager in NCHW (MPS, --no-compile), Page's way is faster: the splits
-    become channels, x.view(n/s, s c, h, w), and one fused batch-norm kernel normalises them.
+    """Batch norm with statistics over splits of split_size images, scale frozen at 1: noisier
+    statistics, which regularise (Page: 32 images a split). With s splits, split k holds images k,
+    k+s, k+2s, ... as in Page's code. Statistics are in fp32; the running ones move by the average
+    of the splits'. Two ways to the same numbers, neither copying an activation: Page's, the splits
+    as the channels of one batch norm, and the splits as a view (compiled, or channels_last).
     """
 
     def __init__(self, channels, split_size):
@@ -480,27 +291,13 @@ class GhostBatchNorm(nn.BatchNorm2d):
         if not self.training:
             return super().forward(x)
         splits = len(x) // self.split_size
-        if x.is_contiguous() and not torch.compiler.is_compiling():
-            return self.splits_as_channels(x, splits)
-        return self.splits_as_view(x, splits)
-
-    def splits_as_view(self, x, splits):
-        """xs[:, k] = x.view(n/s, s, c, h, w)[:, k] is split k; var_mean over it, then elementwise."""
-        n, c, h, w = x.shape
-        xs = x.view(-1, splits, c, h, w).to(at_least_fp32(x.dtype))  # statistics in fp32
-        var, mean = torch.var_mean(xs, dim=(0, 3, 4), correction=0, keepdim=True)
-        scale = torch.rsqrt(var + self.eps) * self.weight.view(1, 1, c, 1, 1)
-        y = (xs - mean) * scale + self.bias.view(1, 1, c, 1, 1)
-        with torch.no_grad():
-            count = self.split_size * h * w  # values behind each statistic: unbiased variance below
-            self.running_mean.lerp_(mean.view(splits, c).mean(0), self.momentum)
-            self.running_var.lerp_(var.view(splits, c).mean(0) * (count / (count - 1)), self.momentum)
-        return y.to(x.dtype).view(n, c, h, w)
+        eager_nchw = x.is_contiguous() and not torch.compiler.is_compiling()  # Page's way is faster
+        return self.splits_as_channels(x, splits) if eager_nchw else self.splits_as_view(x, splits)
 
     def splits_as_channels(self, x, splits):
-        """Page's ghost batch norm: image k + s i's channel j is channel k c + j of x.view(n/s, s c, h, w).
-        Statistics of that batch go to temporaries (momentum 1 copies them in: the batch mean and
-        unbiased variance), whose average over the splits the running statistics then move to."""
+        """Page's: image k + s i's channel j is channel k c + j of x.view(n/s, s c, h, w). That
+        batch's statistics go to temporaries (momentum 1 copies them in: the batch mean and unbiased
+        variance), whose average over the splits the running statistics then move to."""
         n, c, h, w = x.shape
         mean = self.running_mean.new_zeros(splits * c)  # in the statistics' dtype, fp32 or wider
         var = self.running_var.new_ones(splits * c)
@@ -510,6 +307,20 @@ class GhostBatchNorm(nn.BatchNorm2d):
             self.running_mean.lerp_(mean.view(splits, c).mean(0), self.momentum)
             self.running_var.lerp_(var.view(splits, c).mean(0), self.momentum)
         return y.view(n, c, h, w)
+
+    def splits_as_view(self, x, splits):
+        """Split k is xs[:, k] of xs = x.view(n/s, s, c, h, w): var_mean, then elementwise."""
+        n, c, h, w = x.shape
+        xs = x.view(-1, splits, c, h, w).to(at_least_fp32(x.dtype))  # statistics in fp32
+        var, mean = torch.var_mean(xs, dim=(0, 3, 4), correction=0, keepdim=True)
+        scale = torch.rsqrt(var + self.eps) * self.weight.view(1, 1, c, 1, 1)
+        y = (xs - mean) * scale + self.bias.view(1, 1, c, 1, 1)
+        with torch.no_grad():
+            count = self.split_size * h * w  # values behind each statistic: unbiased variance below
+            unbiased = var.view(splits, c).mean(0) * (count / (count - 1))
+            self.running_mean.lerp_(mean.view(splits, c).mean(0), self.momentum)
+            self.running_var.lerp_(unbiased, self.momentum)
+        return y.to(x.dtype).view(n, c, h, w)
 
 
 def conv_bn(c_in, c_out, hyp, pool=False):
@@ -531,13 +342,15 @@ class Residual(nn.Module):
 
 
 class ResNet9(nn.Module):
-    """Page's ResNet9: whitening and prep, three pooled layers (two with residual branches), a linear head."""
+    """Page's ResNet9: whitening and prep, three pooled layers (two with residual branches), a
+    global max-pool and a linear head."""
 
     def __init__(self, whitening, hyp):
         super().__init__()
         prep, c1, c2, c3 = hyp['channels']
         self.prep = nn.Sequential(WhitenedPrep(whitening, prep),
-                                  GhostBatchNorm(prep, hyp['bn_split_size']), nn.CELU(hyp['celu_alpha']))
+                                  GhostBatchNorm(prep, hyp['bn_split_size']),
+                                  nn.CELU(hyp['celu_alpha']))
         self.layer1 = nn.Sequential(conv_bn(prep, c1, hyp, pool=True), Residual(c1, hyp))
         self.layer2 = conv_bn(c1, c2, hyp, pool=True)
         self.layer3 = nn.Sequential(conv_bn(c2, c3, hyp, pool=True), Residual(c3, hyp))
@@ -546,10 +359,16 @@ class ResNet9(nn.Module):
 
     def forward(self, x):
         x = self.layer3(self.layer2(self.layer1(self.prep(x))))
-        # Page's global max-pool over the 4x4 maps. A pool with indices, not amax: amax's backward
-        # finds the maximum again by equality, and compiled half precision, which may keep the
-        # pooled values unrounded, then finds none and sends NaN to every gradient below.
+        # Page's 4x4 max-pool, global here: its backward uses the indices it saved. amax's finds the
+        # maximum again by equality, which compiled half precision (with unrounded fused values)
+        # did not, and so sent NaN to every gradient below.
         return self.head(F.max_pool2d(x, 4).flatten(1)) * self.logit_scale
+
+
+def flip_tta_logits(model, images):
+    """Mean of the logits of each image and of its left-right mirror, in one forward pass."""
+    logits = model(torch.cat([images, images.flip(3)]))
+    return (logits[:len(images)] + logits[len(images):]) / 2
 
 
 def to_training_precision(model, dtype):
@@ -563,7 +382,7 @@ def to_training_precision(model, dtype):
 
 
 # =============================================================================================
-# Training: optimiser groups, schedule, EMA, one epoch
+# 4. Training: schedule, optimiser, EMA, what a run builds, one epoch
 # =============================================================================================
 def piecewise_linear(x, knots, values):
     """Linear interpolation between (knot, value) points, constant beyond the last knot."""
@@ -572,7 +391,7 @@ def piecewise_linear(x, knots, values):
 
 def lr_knots(hyp):
     """Page's schedule in epochs: 0 -> peak at epochs/5 -> floor from epochs - floor_epochs on.
-    Runs too short for that (2.5 epochs or less) reach the floor halfway from the peak to the end."""
+    Runs too short for that (2.5 epochs or less) reach the floor halfway from peak to end."""
     epochs = hyp['epochs']
     peak, floor = epochs / 5, epochs - hyp['floor_epochs']
     if floor <= peak:
@@ -596,11 +415,12 @@ class Nesterov:
         self.momentum, self.groups = momentum, []
         for group in groups:
             params = list(group['params'])
-            masters = [p.detach().float() if p.dtype == torch.bfloat16 else p.detach() for p in params]
-            bf16 = [i for i, p in enumerate(params) if p.dtype == torch.bfloat16]
+            bf16 = [p.dtype == torch.bfloat16 for p in params]
+            masters = [p.detach().float() if low else p.detach() for p, low in zip(params, bf16)]
             self.groups.append(dict(group, params=params, masters=masters,
                                     velocities=[torch.zeros_like(w) for w in masters],
-                                    bf16_params=[params[i] for i in bf16], bf16_masters=[masters[i] for i in bf16]))
+                                    bf16_params=[p for p, low in zip(params, bf16) if low],
+                                    bf16_masters=[w for w, low in zip(masters, bf16) if low]))
 
     @torch.no_grad()
     def reset(self):
@@ -649,78 +469,119 @@ def ema_tensors(model):
     return [t for t in model.state_dict().values() if t.is_floating_point()]
 
 
-def rank_and_world():
-    """This process's rank and the number of ranks: (0, 1) outside a process group."""
-    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-
-
-@torch.no_grad()
-def average_over_ranks(tensors):
-    """Replace each tensor by its mean over all ranks, in one all-reduce."""
-    flat = torch.cat([t.flatten() for t in tensors]) / dist.get_world_size()
-    dist.all_reduce(flat)
-    for t, mean in zip(tensors, flat.split([t.numel() for t in tensors])):
-        t.copy_(mean.view_as(t))
-
-
 @torch.no_grad()
 def ema_update(averages, tensors, momentum):
-    """averages <- momentum x averages + (1 - momentum) x tensors, in the averages' fp32 whatever the
-    tensors' dtype: a 5 % step is below half a unit in the last place of fp16 or bf16 for most weights."""
+    """averages <- momentum x averages + (1 - momentum) x tensors, in the averages' fp32, whatever
+    the tensors' dtype: a 5 % step is below half a unit in the last place of fp16 or bf16 for most
+    weights."""
     torch._foreach_lerp_(averages, [t.to(a.dtype) for a, t in zip(averages, tensors)], 1 - momentum)
 
 
 def summed_loss(model, images, labels, label_smoothing):
     """The label-smoothed cross-entropy summed over the batch, in fp32, and the logits."""
     logits = model(images)
-    return F.cross_entropy(logits.to(at_least_fp32(logits.dtype)), labels, label_smoothing=label_smoothing,
-                           reduction='sum'), logits
+    loss = F.cross_entropy(logits.to(at_least_fp32(logits.dtype)), labels,
+                           label_smoothing=label_smoothing, reduction='sum')
+    return loss, logits
 
 
-def train_epoch(networks, images, labels, steps, first_step, hyp, on_step=lambda i, steps: None):
-    """One pass over the shuffled batches. Loss and correct counts stay on the device: nothing in
-    an epoch waits for the device. on_step (progress shown to the user) gets the steps taken.
+class Networks:
+    """What is built once and serves every run: the network trained (training dtype, batch norm in
+    fp32), the fp32 EMA copy that is evaluated, the optimiser, and the loss and flip-TTA
+    functions, compiled with torch.compile or not.
 
-    The EMA is updated after batches 0, 5, 10, ... of every epoch, the first included (Page's
-    phase: 20 updates in an epoch of 97 steps). Under DistributedDataParallel, networks.model is
-    the wrapper: it averages the gradients over the ranks, so each rank's summed loss is scaled by
-    the number of ranks to give the gradient of the loss summed over the global batch. Batch-norm
-    statistics, which each rank gathers from its own images, are averaged over the ranks before
-    each EMA update; the EMA then stays identical on every rank, and equal to one process's, since
-    both averages are linear.
+    Runs 2..50 pay neither for building nor for compiling: reinitialise() gives a run the fresh
+    weights a newly built network would have. Compiling the loss and the evaluation as two
+    functions, each for one fixed network and shape, means they never recompile: not across runs,
+    not between the training and the EMA model.
     """
-    _, world = rank_and_world()
-    bn_statistics = [b for m in networks.net.modules() if isinstance(m, nn.BatchNorm2d)
-                     for b in (m.running_mean, m.running_var)]
+
+    def __init__(self, hyp, device, dtype, compiled, channels_last):
+        self.hyp, self.device, self.dtype = hyp, device, dtype
+        layout = torch.channels_last if channels_last else torch.contiguous_format
+        self.memory_format = layout
+        self.initial = ResNet9(torch.zeros(27, 3, 3, 3), hyp)  # on the CPU: draws a run's weights
+        self.network = to_training_precision(copy.deepcopy(self.initial), dtype)
+        self.network.to(device, memory_format=layout)
+        self.parallel = data_parallel(self.network, device)  # a step's: DDP's wrapper, in torchrun
+        self.ema_dtype = at_least_fp32(dtype)  # the EMA is kept, and evaluated, in fp32
+        self.ema = copy.deepcopy(self.initial).to(device, self.ema_dtype, memory_format=layout)
+        self.ema.eval().requires_grad_(False)
+        self.ema_pairs = ema_tensors(self.ema), ema_tensors(self.network)  # listed once, used often
+        norms = [m for m in self.network.modules() if isinstance(m, nn.BatchNorm2d)]
+        self.batch_norm_statistics = [t for m in norms for t in (m.running_mean, m.running_var)]
+        self.optimiser = optimiser(self.network, hyp)
+        self.summed_loss = torch.compile(summed_loss, dynamic=False) if compiled else summed_loss
+        tta = torch.compile(flip_tta_logits, dynamic=False) if compiled else flip_tta_logits
+        self.flip_tta_logits = in_tf32(tta) if evaluates_in_tf32(device, dtype) else tta
+
+    def loss(self, images, labels):
+        """A training step's forward: the summed loss on a batch, and the logits."""
+        return self.summed_loss(self.parallel, images, labels, self.hyp['label_smoothing'])
+
+    def tta_logits(self, images):
+        """The EMA model's flip-TTA logits."""
+        return self.flip_tta_logits(self.ema, images)
+
+    @torch.no_grad()
+    def reinitialise(self, whitening, seed):
+        """The weights a newly built ResNet9 would draw with this seed, drawn on the CPU so that
+        every device and rank draws the same, and the run's whitening; the EMA starts equal."""
+        torch.manual_seed(seed)
+        for module in self.initial.modules():  # in construction order, as a new network draws them
+            if isinstance(module, (WhitenedPrep, nn.Conv2d, nn.Linear, nn.BatchNorm2d)):
+                module.reset_parameters()
+        self.initial.prep[0].whitening.copy_(whitening)
+        self.network.load_state_dict(self.initial.state_dict())  # into its dtype and layout
+        self.ema.load_state_dict(self.initial.state_dict())
+        self.optimiser.reset()
+
+
+def train_epoch(networks, images, labels, epoch, steps, hyp, progress=None):
+    """One pass over the shuffled batches: their summed loss, correct count and the last step's lr.
+    Both sums stay on the device: nothing in an epoch waits for it. progress(epoch, step, steps)
+    hears of each step.
+
+    Each step reads the schedule at its own end, so the first already has a non-zero rate. The EMA
+    is updated after batches 0, 5, 10, ... of every epoch, the first included (Page's phase: 20
+    updates in an epoch of 97 steps). Under torchrun, batch-norm statistics, which each rank
+    gathers from its own images, are averaged over the ranks before each EMA update, so that the
+    EMA is the same on every rank, and the same as one process's.
+    """
     knots, values = lr_knots(hyp)
-    batch = hyp['batch_size'] // world  # this rank's share of a step
+    batch = rank_share(hyp['batch_size'])  # this rank's images of a step: all, in one process
     loss_sum = torch.zeros((), device=images.device)
     correct = torch.zeros((), device=images.device, dtype=torch.long)
     for i in range(steps):
-        step = first_step + i + 1  # counted from 1: the first step already has a non-zero lr
-        lr = piecewise_linear(step / steps, knots, values)
+        lr = piecewise_linear(((epoch - 1) * steps + i + 1) / steps, knots, values)
         x, y = images[i * batch:(i + 1) * batch], labels[i * batch:(i + 1) * batch]
-        networks.opt.zero_grad()  # to None before the forward: the last step's gradients are freed
-        loss, logits = networks.summed_loss(networks.model, x, y, hyp['label_smoothing'])
-        (loss * world if world > 1 else loss).backward()
-        networks.opt.step(lr)
+        networks.optimiser.zero_grad()  # to None before the forward: the last gradients are freed
+        loss, logits = networks.loss(x, y)
+        global_batch_loss(loss).backward()
+        networks.optimiser.step(lr)
         if i % hyp['ema_every'] == 0:
-            if world > 1:
-                average_over_ranks(bn_statistics)
-            ema_update(*networks.averaged, hyp['ema_momentum'] ** hyp['ema_every'])
+            average_over_ranks(networks.batch_norm_statistics)
+            ema_update(*networks.ema_pairs, hyp['ema_momentum'] ** hyp['ema_every'])
         loss_sum += loss.detach()
         correct += (logits.argmax(1) == y).sum()
-        on_step(i + 1, steps)
+        if progress:
+            progress(epoch, i + 1, steps)
     return loss_sum, correct, lr
 
 
 # =============================================================================================
-# Evaluation: flip test-time augmentation
+# 5. Evaluation: the EMA model with flip test-time augmentation
 # =============================================================================================
-def flip_tta_logits(model, images):
-    """Mean of the logits of each image and of its left-right mirror, in one forward pass."""
-    logits = model(torch.cat([images, images.flip(3)]))
-    return (logits[:len(images)] + logits[len(images):]) / 2
+def test_set(data, networks, hyp, last_batches=None):
+    """This rank's share of the test images, uploaded and normalised in the EMA's dtype, and their
+    labels; only the last few evaluation batches of them if last_batches is given."""
+    images = normalise(rank_slice(data['test_images']), networks.device, networks.ema_dtype)
+    images = images.contiguous(memory_format=networks.memory_format)
+    labels = torch.from_numpy(rank_slice(data['test_labels'])).to(networks.device)
+    if last_batches:
+        batch = hyp['eval_batch_size']
+        return [torch.cat(t.split(batch)[-last_batches:]) for t in (images, labels)]
+    return images, labels
 
 
 @torch.no_grad()
@@ -730,750 +591,267 @@ def evaluate(networks, images, labels, hyp):
     loss_sum = torch.zeros((), device=images.device)
     correct = torch.zeros((), device=images.device, dtype=torch.long)
     for x, y in zip(images.split(hyp['eval_batch_size']), labels.split(hyp['eval_batch_size'])):
-        logits = networks.tta_logits(networks.ema, x)
-        loss_sum += F.cross_entropy(logits, y, label_smoothing=hyp['label_smoothing'], reduction='sum')
+        logits = networks.tta_logits(x)
+        loss_sum += F.cross_entropy(logits, y, label_smoothing=hyp['label_smoothing'],
+                                    reduction='sum')
         correct += (logits.argmax(1) == y).sum()
     return loss_sum, correct
 
 
 # =============================================================================================
-# One run, timed by the DAWNBench rule
+# 6. One run, timed by the DAWNBench rule
 # =============================================================================================
-def synchronize(device):
-    """Wait for the device's queued work, and for every rank, so that a clock read after it
-    means something."""
-    if device.type == 'cuda':
-        torch.cuda.synchronize(device)
-    elif device.type == 'mps':
-        torch.mps.synchronize()
-    if dist.is_initialized():
-        dist.barrier()
+def train_run(data, networks, hyp, seed, on_epoch, progress=None, steps_per_epoch=None,
+              test_batches=None):
+    """Train one model from the uint8 arrays and return its rows, one an epoch; networks.ema then
+    holds the run's EMA model. steps_per_epoch and test_batches (the last ones) cut a run short.
 
-
-def data_parallel(net, device):
-    """DistributedDataParallel: copies rank 0's weights and buffers to every rank, then averages
-    the gradients. It must not also copy rank 0's batch-norm statistics at every forward, since
-    train_epoch averages them over the ranks instead; torch >= 2.13 calls that option
-    forward_sync_buffers, earlier versions broadcast_buffers."""
-    options = inspect.signature(nn.parallel.DistributedDataParallel).parameters
-    no_forward_sync = 'forward_sync_buffers' if 'forward_sync_buffers' in options else 'broadcast_buffers'
-    return nn.parallel.DistributedDataParallel(
-        net, device_ids=[device] if device.type == 'cuda' else None, **{no_forward_sync: False})
-
-
-class Networks:
-    """What is built once and serves every run: the training network (training dtype, batch norm
-    in fp32), its data-parallel wrapper under torchrun, the fp32 EMA copy that is evaluated, the
-    optimiser, and the loss and flip-TTA functions, compiled with torch.compile or not.
-
-    Runs 2..50 pay neither for building nor for compiling: reinitialise() gives a run the fresh
-    weights a newly built network would have. Compiling the loss and the evaluation as two
-    functions, each for one fixed network and shape, means they never recompile: not across runs,
-    not between the training and the EMA model.
-    """
-
-    def __init__(self, hyp, device, dtype, compile, channels_last):
-        _, world = rank_and_world()
-        self.dtype = dtype
-        self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
-        self.initial = ResNet9(torch.zeros(27, 3, 3, 3), hyp)  # on the CPU: draws each run's weights
-        self.net = to_training_precision(copy.deepcopy(self.initial), dtype).to(device, memory_format=self.memory_format)
-        self.model = data_parallel(self.net, device) if world > 1 else self.net
-        self.ema_dtype = at_least_fp32(dtype)  # the EMA is kept, and evaluated, in fp32
-        self.ema = copy.deepcopy(self.initial).to(device, self.ema_dtype, memory_format=self.memory_format)
-        self.ema.eval().requires_grad_(False)
-        self.averaged = ema_tensors(self.ema), ema_tensors(self.net)  # the EMA's pairs, listed once
-        self.opt = optimiser(self.net, hyp)
-        self.summed_loss = torch.compile(summed_loss, dynamic=False) if compile else summed_loss
-        tta_logits = torch.compile(flip_tta_logits, dynamic=False) if compile else flip_tta_logits
-        self.tta_logits = in_tf32(tta_logits) if evaluates_in_tf32(device, dtype) else tta_logits
-
-    @torch.no_grad()
-    def reinitialise(self, whitening, seed):
-        """The weights a newly built ResNet9 would draw with this seed, drawn on the CPU so that every
-        device and rank draws the same, and the run's whitening filters; the EMA starts equal."""
-        torch.manual_seed(seed)
-        for module in self.initial.modules():  # in construction order, as a new network draws them
-            if isinstance(module, (WhitenedPrep, nn.Conv2d, nn.Linear, nn.BatchNorm2d)):
-                module.reset_parameters()
-        self.initial.prep[0].whitening.copy_(whitening)
-        self.net.load_state_dict(self.initial.state_dict())  # copies into the training dtype and layout
-        self.ema.load_state_dict(self.initial.state_dict())
-        self.opt.reset()
-
-
-def train_run(data, networks, hyp, device, seed, on_epoch, on_step=lambda epoch, step, steps: None,
-              warm_up=False):
-    """Train one model from the uint8 arrays and return the per-epoch rows; networks.ema then
-    holds the run's EMA model. warm_up: only 2 steps an epoch and an evaluation of the last
-    batches, of the same shapes (see warm_up below).
-
-    seed fixes the initial weights and every augmentation draw; both are drawn on the CPU, so a
-    seed gives the same run on any device, and every rank of a process group the same order.
-    The clock covers everything a lone run does but build the networks: upload, normalisation,
+    seed fixes the initial weights and every augmentation draw, both drawn on the CPU, so that a
+    seed gives the same run on any device, and every rank of a process group the same order. The
+    clock covers everything a lone run does but build the networks: upload, normalisation,
     padding, whitening, initialising the weights, and the training epochs. It stops for
-    validation and is read only after a device sync, at epoch boundaries, never once per step.
-    Under torchrun each rank trains on its share of every batch and evaluates its share of the
-    test set; the counts are summed.
+    validation, and is read after a device sync at epoch boundaries only.
     """
-    rank, world = rank_and_world()
-    generator = torch.Generator().manual_seed(seed)
-    synchronize(device)
-    start = time.perf_counter()
+    device, generator = networks.device, torch.Generator().manual_seed(seed)
+    start = synced_clock(device)
     train = normalise(data['train_images'], device, networks.dtype)
     train_labels = torch.from_numpy(data['train_labels']).to(device)
-    test = normalise(data['test_images'][rank::world], device, networks.ema_dtype)  # this rank's share
-    test = test.contiguous(memory_format=networks.memory_format)
-    test_labels = torch.from_numpy(data['test_labels'][rank::world]).to(device)
+    test, test_labels = test_set(data, networks, hyp, test_batches)
     padded = F.pad(train, (hyp['pad'],) * 4, mode='reflect')
     whitening = whitening_filters(train[:hyp['whitening_images']], hyp['whitening_eps'])
-    if world > 1:
-        dist.broadcast(whitening, 0)  # rank 0's filters, not each rank's recomputation bit for bit
-    networks.reinitialise(whitening, seed)
-    synchronize(device)
-    total_time = time.perf_counter() - start
-    rows, step = [], 0
+    networks.reinitialise(same_on_every_rank(whitening), seed)
+    total_time, rows = synced_clock(device) - start, []
     for epoch in range(1, hyp['epochs'] + 1):
-        start = time.perf_counter()
-        images, labels, steps = augmented_epoch(padded, train_labels, hyp, generator, rank, world)
-        steps = min(steps, 2) if warm_up else steps
+        start = time.perf_counter()  # the device is idle: the last epoch's sums were read
+        images, labels, steps = augmented_epoch(padded, train_labels, hyp, generator,
+                                                *rank_and_world())
         images = images.contiguous(memory_format=networks.memory_format)
-        train_loss, train_correct, lr = train_epoch(networks, images, labels, steps, step, hyp,
-                                                    on_step=lambda i, steps, epoch=epoch: on_step(epoch, i, steps))
-        step += steps
-        synchronize(device)
-        train_time = time.perf_counter() - start
-        total_time += train_time
+        steps = min(steps, steps_per_epoch or steps)
+        train_loss, train_correct, lr = train_epoch(networks, images, labels, epoch, steps, hyp,
+                                                    progress)
+        train_time = synced_clock(device) - start
         start = time.perf_counter()
-        last = -(len(test) % hyp['eval_batch_size'] + hyp['eval_batch_size']) if warm_up else 0
-        valid_loss, valid_correct = evaluate(networks, test[last:], test_labels[last:], hyp)
-        synchronize(device)
-        valid_time = time.perf_counter() - start
-        sums = torch.stack([train_loss, train_correct.float(), valid_loss, valid_correct.float()])
-        if world > 1:
-            dist.all_reduce(sums)
-        train_loss, train_correct, valid_loss, valid_correct = sums.tolist()
+        valid_loss, valid_correct = evaluate(networks, test, test_labels, hyp)
+        valid_time = synced_clock(device) - start
+        total_time += train_time
+        train_loss, train_correct, valid_loss, valid_correct = sum_over_ranks(
+            train_loss, train_correct, valid_loss, valid_correct)
         n_train, n_test = steps * hyp['batch_size'], len(data['test_images'])
-        row = dict(epoch=epoch, lr=lr, train_time=train_time,
-                   train_loss=train_loss / n_train, train_acc=train_correct / n_train,
-                   valid_time=valid_time, valid_loss=valid_loss / n_test,
-                   valid_acc=valid_correct / n_test, total_time=total_time)
-        rows.append(row)
-        on_epoch(row)
-        if not (math.isfinite(row['train_loss']) and math.isfinite(row['valid_loss'])):
+        rows.append(dict(epoch=epoch, lr=lr, train_time=train_time, train_loss=train_loss / n_train,
+                         train_acc=train_correct / n_train, valid_time=valid_time,
+                         valid_loss=valid_loss / n_test, valid_acc=valid_correct / n_test,
+                         total_time=total_time))
+        on_epoch(rows[-1])
+        if not (math.isfinite(rows[-1]['train_loss']) and math.isfinite(rows[-1]['valid_loss'])):
             break  # diverged: the caller reports the run as failed
     return rows
 
 
-def warm_up(data, networks, hyp, device, on_step):
-    """A throwaway run before the first clock starts, so that one-off costs (the CUDA context,
-    cuDNN's algorithm search for each shape, first allocations) are not charged to run 1. It is
-    a run on all the data (the same uploads, padding, whitening patches and augmentation buffers,
-    so the allocator holds blocks of every size a run asks for) cut to 2 training steps and the
-    last two evaluation batches (the runs' batch shapes: a full one and the shorter last one)."""
-    train_run(data, networks, {**hyp, 'epochs': 1}, device, seed=0, on_epoch=lambda row: None, on_step=on_step,
-              warm_up=True)
-
-
-def probe_run(device, dtype, channels_last):
-    """Two steps of a narrow network on random images: every operation of a run (whitening,
-    augmentation, forward, backward, optimiser, EMA, evaluation), in seconds, before any data is
-    downloaded. A device or dtype that cannot run one of them raises here."""
-    rng = np.random.default_rng(0)
-    n = 128
-    data = dict(train_images=rng.integers(0, 256, (n, 3, 32, 32), dtype=np.uint8),
-                train_labels=rng.integers(0, NUM_CLASSES, n), test_images=rng.integers(0, 256, (n, 3, 32, 32), dtype=np.uint8),
-                test_labels=rng.integers(0, NUM_CLASSES, n))
-    hyp = {**HYP, 'channels': (8, 8, 8, 8), 'epochs': 1, 'batch_size': n // 2, 'eval_batch_size': n // 2,
-           'whitening_images': n, 'cutout': 8}
-    check_augmentation(device)
-    networks = Networks(hyp, device, dtype, compile=False, channels_last=channels_last)
-    train_run(data, networks, hyp, device, seed=0, on_epoch=lambda row: None)
-
-
-def check_augmentation(device):
-    """crop, flip and cutout on the device against plain slicing of each image on the CPU: a
-    backend that computes one of them wrongly (MPS has, for some indexing patterns) is refused."""
-    g = torch.Generator().manual_seed(0)
-    images = torch.randint(0, 256, (24, 3, 40, 40), generator=g).float()
-    top, left, corner_top, corner_left = (torch.randint(0, 9, (24,), generator=g) for _ in range(4))
-    which = torch.arange(24) % 3 == 0
-    on_device = images.to(device)
-    expected = dict(
-        crop=torch.stack([x[:, t:t + 32, l:l + 32] for x, t, l in zip(images, top.tolist(), left.tolist())]),
-        flip=torch.stack([x.flip(2) if w else x for x, w in zip(images, which.tolist())]),
-        cutout=images.clone())
-    for x, t, l in zip(expected['cutout'], corner_top.tolist(), corner_left.tolist()):
-        x[:, t:t + 8, l:l + 8] = 0
-    got = dict(crop=crop(on_device, top, left, 32), flip=flip(on_device, which.to(device)),
-               cutout=cutout(on_device, corner_top.to(device), corner_left.to(device), 8))
-    for name, result in got.items():
-        if not torch.equal(result.cpu(), expected[name]):
-            raise UserError(f'{device.type} computes the augmentation "{name}" wrongly (checked against plain '
-                            'slicing): update torch, or use --device cpu')
-
+# #############################################################################################
+# Harness: nothing below changes a number. Download, devices and precision, compilation,
+# torchrun, timing, reporting, statistics, job files, the command line.
+# #############################################################################################
 
 # =============================================================================================
-# Reporting: the Myrtle.ai / DAWNBench table, the summary over runs
+# Download and safe loading
 # =============================================================================================
-COLUMNS = ('epoch', 'lr', 'train time', 'train loss', 'train acc',
-           'valid time', 'valid loss', 'valid acc', 'total time')
+CIFAR10_URL = 'https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz'
+CIFAR10_MD5 = 'c58f30108f718f92721af3b95e74349a'
+BATCHES_DIR = 'cifar-10-batches-py'
 
 
-def table_line(values):
-    """One line of 12-character right-aligned columns; floats with 4 decimals."""
-    return ''.join(f'{v:>12.4f}' if isinstance(v, float) else f'{v:>12}' for v in values)
+class UserError(Exception):
+    """A problem the user can fix: main prints the message on one line and exits non-zero."""
 
 
-def table_row(row):
-    return table_line([row[c.replace(' ', '_')] for c in COLUMNS])
+def download(url, archive, md5):
+    """Download url to archive with a progress line; the archive appears only once its md5 checks.
 
-
-def incomplete_beta(a, b, x):
-    """The regularised incomplete beta function I_x(a, b) by its continued fraction
-    I_x(a, b) = x^a (1 - x)^b / (a B(a, b)) / (1 + d1 / (1 + d2 / (1 + ...))), evaluated with
-    Lentz's method. The fraction converges fast for x < (a + 1) / (a + b + 2); above that the
-    symmetry I_x(a, b) = 1 - I_(1-x)(b, a) brings x there."""
-    if x <= 0 or x >= 1:
-        return float(x >= 1)
-    mirrored = x > (a + 1) / (a + b + 2)
-    if mirrored:
-        a, b, x = b, a, 1 - x
-    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)) / a
-    tiny = 1e-300  # keeps Lentz's ratios finite when a partial denominator is zero
-    c, d = 1.0, 1 / (1 - (a + b) * x / (a + 1))  # the fraction's first term, d1
-    fraction = d
-    for i in range(1, 10000):
-        m = i // 2 if i % 2 == 0 else i // 2 + 1  # d_2m and d_2m+1 alternate: even and odd terms
-        if i % 2:
-            term = m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m))
-        else:
-            term = -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))
-        d = 1 / (1 + term * d if abs(1 + term * d) > tiny else tiny)
-        c = 1 + term / c if abs(1 + term / c) > tiny else tiny
-        fraction *= c * d
-        if abs(c * d - 1) < 1e-15:
-            break
-    else:
-        raise ArithmeticError(f'the incomplete beta fraction did not converge for a={a}, b={b}, x={x}')
-    value = front * fraction
-    return 1 - value if mirrored else value
-
-
-def t_cdf(t, df):
-    """P(T <= t) for Student's t distribution with df (any positive real) degrees of freedom:
-    its tail is I_x(df/2, 1/2) / 2 with x = df / (df + t^2), computed directly (no 1 - p), so
-    small p-values keep their digits."""
-    tail = 0.5 * incomplete_beta(df / 2, 0.5, df / (df + t * t))
-    return 1 - tail if t > 0 else tail
-
-
-def t_quantile(p, df):
-    """The t with t_cdf(t, df) = p, 0 < p < 1, by bisection."""
-    low, high = -1.0, 1.0
-    while t_cdf(low, df) > p:
-        low *= 2
-    while t_cdf(high, df) < p:
-        high *= 2
-    for _ in range(200):
-        mid = (low + high) / 2
-        if mid in (low, high):
-            break
-        low, high = (mid, high) if t_cdf(mid, df) < p else (low, mid)
-    return (low + high) / 2
-
-
-def items_in_lines(first, items, width=100):
-    """`first`, then comma-separated items, wrapped between items into lines of at most width
-    characters (unless one item is longer), the lines after the first indented by 4."""
-    lines, line = [], first
-    for i, item in enumerate(items):
-        item += ',' if i < len(items) - 1 else ''
-        if len(line) + 1 + len(item) > width and line.strip():
-            lines.append(line)
-            line = '   '
-        line += ' ' + item
-    return lines + [line]
-
-
-def header_lines(hyp, data, device, dtype, seed, flops, peak, world, fp32_math=None):
-    """What a log must say before its first row: the script's version, the software and device,
-    the settings, the data's provenance, and the model FLOPs of a run."""
-    ranks = f" | {world} ranks ({dist.get_backend()}), {hyp['batch_size'] // world} images each per step" if world > 1 else ''
-    peak = (f' | peak {peak:g} TFLOP/s' + (f' x {world}' if world > 1 else '')) if peak else ''
-    return [f'train_cifar10.py {script_hash()} | torch {torch.__version__} | {device_description(device)}{ranks}',
-            f"dtype {str(dtype).replace('torch.', '')} (batch norm fp32, EMA fp32{'; ' + fp32_math if fp32_math else ''}) | seed {seed} | "
-            f"{len(data['train_images'])} train / {len(data['test_images'])} test images",
-            *items_in_lines('hyperparameters:', [f'{k}={v}' for k, v in hyp.items()]),
-            f"data: {data['provenance']} (files' digest {data['digest']})",
-            f"model FLOPs: {flops['step'] / 1e12:.4g} TFLOP a training step x {flops['steps']} steps + "
-            f"{flops['whitening'] / 1e12:.4g} whitening = {flops['run'] / 1e12:.4g} TFLOP a run (timed); "
-            f"{flops['evaluation'] / 1e12:.4g} TFLOP an evaluation (not timed){peak}",
-            'valid = flip-TTA accuracy of the EMA model; total time = preprocessing + training '
-            '(DAWNBench rule: validation excluded, after a warm-up)']
-
-
-def summarize(runs, gpu_price=None, count_94=True, flops=None, peak=None, world=1):
-    """Statistics over the finished runs; failed (diverged) runs are counted, not averaged.
-    count_94: count the runs that reached the recipe's 94 % (meaningless for --tiny). flops: the
-    model FLOPs of a run, for the achieved TFLOP/s, and with the peak TFLOP/s of one of the world
-    devices, the model-FLOP utilisation."""
-    finished = [r for r in runs if not r['failed']]
-    summary = dict(runs=len(runs), finished=len(finished), failed=len(runs) - len(finished))
-    if not finished:
-        return summary
-    acc = np.array([r['accuracy'] for r in finished])
-    times = np.array([r['time_s'] for r in finished])
-    summary.update(acc_mean=acc.mean(), acc_min=acc.min(), acc_median=float(np.median(acc)),
-                   acc_max=acc.max(),
-                   time_mean_s=times.mean(), time_median_s=float(np.median(times)), time_max_s=times.max())
-    if count_94:
-        summary['reached_94'] = int((acc >= 0.94).sum())
-    if len(acc) > 1:
-        std = acc.std(ddof=1)
-        half_width = t_quantile(0.975, len(acc) - 1) * std / math.sqrt(len(acc))
-        summary.update(acc_std=std, acc_ci95=(acc.mean() - half_width, acc.mean() + half_width))
-    if gpu_price is not None:
-        summary['cost_per_run_usd'] = times.mean() / 3600 * gpu_price
-    if flops:
-        summary['tflops_per_s'] = flops / 1e12 / times.mean()
-        if peak:
-            summary['mfu'] = summary['tflops_per_s'] / (peak * world)
-    return {k: (float(v) if isinstance(v, np.floating) else v) for k, v in summary.items()}
-
-
-def summary_lines(s):
-    failed = f", {s['failed']} failed (the loss became NaN)" if s['failed'] else ''
-    ran = s['runs'] - s.get('read_back', 0)
-    read_back = (f" ({s['read_back']} read back from {s['resumed_from']}" + (f', {ran} run now)' if ran else ')')
-                 if s.get('read_back') else '')
-    lines = [f"runs: {s['finished']} finished{failed}{read_back}"]
-    if not s['finished']:
-        return lines + ['no run finished: no statistics']
-    if s['finished'] == 1:
-        lines.append(f"accuracy (flip-TTA, EMA): {100 * s['acc_mean']:.2f} % (one run: no standard deviation)")
-        lines.append(f"time of the run: {s['time_mean_s']:.2f} s")
-        if 'reached_94' in s:
-            lines.append(f"reached 94%: {'yes' if s['reached_94'] else 'no'}")
-    else:
-        lines.append(f"accuracy (flip-TTA, EMA): mean {100 * s['acc_mean']:.2f} %, "
-                     f"standard deviation {100 * s['acc_std']:.2f} %")
-        low, high = s['acc_ci95']
-        lines.append(f'95% confidence interval of the mean: [{100 * low:.2f}, {100 * high:.2f}] %')
-        reached = f";  runs >= 94%: {s['reached_94']} of {s['finished']}" if 'reached_94' in s else ''
-        lines.append(f"min / median / max: {100 * s['acc_min']:.2f} / {100 * s['acc_median']:.2f} / "
-                     f"{100 * s['acc_max']:.2f} %{reached}")
-        lines.append(f"time per run: mean {s['time_mean_s']:.2f} s, median {s['time_median_s']:.2f} s, "
-                     f"max {s['time_max_s']:.2f} s")
-    if 'cost_per_run_usd' in s:
-        lines.append(f"cost per run: ${s['cost_per_run_usd']:.5f}")
-    if 'tflops_per_s' in s:
-        mfu = f", model-FLOP utilisation {100 * s['mfu']:.1f} %" if 'mfu' in s else ''
-        rate = (f"{s['tflops_per_s']:.2f} TFLOP/s" if s['tflops_per_s'] >= 1 else
-                f"{1000 * s['tflops_per_s']:.3g} GFLOP/s")
-        lines.append(f"achieved: {rate} of model FLOPs per run{mfu}")
-    if 'peak_memory_gb' in s:
-        lines.append(f"peak GPU memory: {s['peak_memory_gb']:.2f} GB")
-    return lines
-
-
-def device_description(device):
-    if device.type == 'cuda':
-        return (f'{torch.cuda.get_device_name(device)}, CUDA {torch.version.cuda}, '
-                f'cuDNN {torch.backends.cudnn.version()}')
-    if device.type == 'mps':
-        return 'Apple MPS'
-    return f'CPU ({platform.machine()}, {torch.get_num_threads()} threads)'
-
-
-def script_hash():
-    """sha256 of this file, so that a log tells which version made it (none when pasted in a cell)."""
-    path = globals().get('__file__')
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16] if path and os.path.isfile(path) else 'n/a'
-
-
-def count_flops(hyp, n_train, n_test):
-    """Model FLOPs of a run as torch.utils.flop_counter counts them (convolutions, matrix products),
-    on a copy of the network on the meta device, where nothing is computed: one training step
-    (forward and backward) of the whole batch, the whitening's patch moment, and one evaluation
-    pass (flip-TTA: two forwards of every test image)."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    def flops(work):
-        with FlopCounterMode(display=False) as counter:
-            work()
-        return counter.get_total_flops()
-
-    with torch.device('meta'):
-        net = ResNet9(torch.zeros(27, 3, 3, 3), hyp)
-        batch = torch.zeros(hyp['batch_size'], 3, 32, 32)
-        labels = torch.zeros(hyp['batch_size'], dtype=torch.long)
-        step = flops(lambda: summed_loss(net, batch, labels, hyp['label_smoothing'])[0].backward())
-        whitening = flops(lambda: patch_moment(torch.zeros(min(hyp['whitening_images'], n_train), 3, 32, 32)))
-        with torch.no_grad():
-            evaluation = flops(lambda: flip_tta_logits(net.eval(), torch.zeros(n_test, 3, 32, 32)))
-    steps = hyp['epochs'] * (n_train // hyp['batch_size'])
-    return dict(step=step, steps=steps, whitening=whitening, run=steps * step + whitening, evaluation=evaluation)
-
-
-# Dense fp16/bf16 tensor-core peaks in TFLOP/s (fp32 accumulation, no sparsity) from NVIDIA's
-# datasheets, which quote twice these "with sparsity", and architecture whitepapers. The first
-# name found as a word in torch.cuda.get_device_name() wins, so a variant precedes its family.
-PEAK_TFLOPS = (
-    ('H100 PCIe', 756),     # H100 datasheet: 1,513 with sparsity
-    ('H100 NVL', 835),      # H100 NVL datasheet: 1,671 with sparsity
-    ('H100', 989),          # H100 SXM datasheet: 1,979 with sparsity
-    ('H200 NVL', 835),      # H200 datasheet, NVL (PCIe) column: 1,671 with sparsity
-    ('H200', 989),          # H200 datasheet, SXM column: 1,979 with sparsity
-    ('GH200', 989),         # GH200 Grace Hopper datasheet: 1,979 with sparsity
-    ('A100', 312),          # A100 datasheet: 624 with sparsity
-    ('A10G', 70),           # AWS's A10 variant; no NVIDIA datasheet: AWS and cloud spec sheets give 70
-    ('A10', 125),           # A10 datasheet: 250 with sparsity
-    ('L40S', 362),          # L40S datasheet: 362.05 (733 with sparsity)
-    ('L4', 121),            # L4 datasheet: 242 with sparsity
-    ('V100S', 130),         # V100S PCIe datasheet
-    ('V100-PCIE', 112),     # V100 datasheet, PCIe card
-    ('V100', 125),          # V100 datasheet, SXM2
-    ('T4', 65),             # T4 datasheet, mixed fp16/fp32
-    ('RTX 4090', 165),      # Ada (AD102) whitepaper, fp32 accumulate; 330 with fp16 accumulate
-    ('RTX 3090 Ti', 80),    # GeForce spec page: 320 sparse with fp16 accumulate; fp32 accumulate is half rate
-    ('RTX 3090', 71),       # Ampere GA102 whitepaper, fp32 accumulate; 142 with fp16 accumulate
-)
-
-
-def peak_tflops(device, dtype, given=None):
-    """The device's peak for this dtype: the --peak-tflops given, else the table's dense fp16/bf16
-    figure for a known GPU training in fp16 or bf16; None when unknown (a CPU, fp32)."""
-    if given:
-        return given
-    if device.type != 'cuda' or dtype not in (torch.float16, torch.bfloat16):
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((peak for key, peak in PEAK_TFLOPS if re.search(rf'\b{re.escape(key)}\b', name)), None)
-
-
-def write_atomically(path, write):
-    """Write through a temporary file beside path, so that an interrupted write leaves nothing."""
-    path = Path(path)
-    tmp = path.with_name(f'.{path.name}.{os.getpid()}.part')
-    try:
-        with open(tmp, 'wb') as f:
-            write(f)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
-def json_ready(x):
-    """x with tuples as lists and NaN or infinity as null, which strict JSON readers accept."""
-    if isinstance(x, dict):
-        return {k: json_ready(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [json_ready(v) for v in x]
-    return None if isinstance(x, float) and not math.isfinite(x) else x
-
-
-def write_results(args, context, runs, summary, ema, hyp):
-    """Write --json, --log-tsv and --save from the runs finished so far, each atomically. Called
-    after every run, so that a crash, a kill or a lost notebook kernel at run 37 keeps runs 1-36."""
-    if args.json:
-        report = dict(context, runs_finished=len(runs), runs_requested=args.runs, runs=runs, summary=summary)
-        text = json.dumps(json_ready(report), indent=1, allow_nan=False)
-        write_atomically(args.json, lambda f: f.write(text.encode()))
-    if args.log_tsv:
-        lines = ['epoch\thours\ttop1Accuracy'] + [
-            f"{row['epoch']}\t{row['total_time'] / 3600:.6f}\t{100 * row['valid_acc']:.2f}"
-            for run in runs for row in run['rows']]
-        write_atomically(args.log_tsv, lambda f: f.write(('\n'.join(lines) + '\n').encode()))
-    if args.save and ema is not None:
-        # everything needed to rebuild and evaluate the model without this run's data (README: "Use a saved model")
-        checkpoint = dict(state_dict={k: v.cpu() for k, v in ema.state_dict().items()}, hyperparameters=hyp,
-                          classes=CLASSES, mean=CIFAR10_MEAN, std=CIFAR10_STD,
-                          run=runs[-1]['run'], seed=runs[-1]['seed'], accuracy=runs[-1]['accuracy'])
-        write_atomically(args.save, lambda f: torch.save(checkpoint, f))
-
-
-class Progress:
-    """One rewritten line on stderr while an epoch trains: step k of n, images/s, time left.
-
-    Shown only when stderr is a terminal, so a piped log never holds it, and rewritten at most
-    once a second, so a GPU's sub-second epochs show nothing. It reads the host's clock, never
-    the device's: it adds no sync. clear() wipes it before the table's next row.
+    The bytes arrive in archive.part. If a download stops half-way (a dropped connection, Ctrl-C),
+    that file is kept and the next call asks the server for the rest (an HTTP Range request); a
+    server that ignores the request sends the whole file again.
     """
-
-    def __init__(self, enabled):
-        self.enabled, self.shown, self.start, self.last = enabled, False, 0.0, 0.0
-
-    def step(self, label, step, steps, images_per_step):
-        if not self.enabled:
-            return
-        now = time.perf_counter()
-        if step == 1:
-            self.start = now  # the rate is timed from the end of step 1, after one-off costs
-        elif now - self.last < 1 and step < steps:
-            return
-        self.last = now
-        line = f'{label}: step {step}/{steps}'
-        if step > 1:
-            rate = (step - 1) * images_per_step / (now - self.start)
-            left = (steps - step) * images_per_step / rate
-            left = f'{left:.0f} s' if left < 120 else f'{left / 60:.0f} min'
-            line += f', {rate:.0f} images/s, {left} left in the epoch' if step < steps else ', evaluating'
-        print(f'\r\033[K{line}', end='', file=sys.stderr, flush=True)
-        self.shown = True
-
-    def clear(self):
-        if self.shown:
-            print('\r\033[K', end='', file=sys.stderr, flush=True)
-            self.shown = False
-
-
-# =============================================================================================
-# A job on disk: resume one that was lost, compare two
-# =============================================================================================
-# What makes a job's runs comparable with another's; --resume refuses to mix runs that differ in
-# any of these, --compare shows which differ and refuses only different test data.
-DATA_KEYS = ('data', 'data_digest', 'test_images')
-JOB_KEYS = ('script_sha256', 'torch', 'hyperparameters', 'dtype', 'device', 'ranks', *DATA_KEYS, 'seed')
-RUN_KEYS = {'run', 'seed', 'failed', 'rows', 'accuracy', 'time_s'}
-
-
-def read_job(path, option):
-    """The --json file of a job of this script, read (never written); else a one-line UserError."""
-    path = Path(path)
+    partial = archive.with_name(archive.name + '.part')
+    done = partial.stat().st_size if partial.exists() else 0
+    request = urllib.request.Request(url, headers={'Range': f'bytes={done}-'} if done else {})
     try:
-        text = path.read_text()
+        with urllib.request.urlopen(request, timeout=60) as response:
+            ranged = str(response.headers.get('Content-Range', '')).startswith(f'bytes {done}-')
+            if done and not ranged:
+                done = 0  # the server sent the whole file
+            total = done + int(response.headers.get('Content-Length') or 0)
+            with open(partial, 'ab' if done else 'wb') as out:
+                while chunk := response.read(1 << 20):
+                    out.write(chunk)
+                    done += len(chunk)
+                    share = f' ({100 * done / total:.0f}%)' if total else ''
+                    print(f'\rdownloading {url}: {done / 1e6:.1f} MB{share}', end='',
+                          file=sys.stderr)
+            if done < total:  # read() returns nothing, rather than raising, when a connection drops
+                raise http.client.IncompleteRead(b'', total - done)
+        print(file=sys.stderr)
+    except urllib.error.HTTPError as e:
+        if e.code != 416 or not partial.exists():  # 416: nothing beyond the partial file: whole?
+            raise UserError(f'cannot download {url} ({e.code} {e.reason}): check the address, or '
+                            f'put {BATCHES_DIR}/ into {archive.parent} yourself') from None
+    except (OSError, http.client.HTTPException) as e:
+        print(file=sys.stderr)
+        reason = getattr(e, 'reason', None) or repr(e)
+        if partial.exists() and partial.stat().st_size:
+            raise UserError(f'the download of {url} stopped at {partial.stat().st_size / 1e6:.1f} '
+                            f'MB ({reason}); run again to resume it from {partial}') from None
+        partial.unlink(missing_ok=True)
+        raise UserError(f'cannot download {url} ({reason}): check the network, or put '
+                        f'{BATCHES_DIR}/ into {archive.parent} yourself') from None
+    got = file_md5(partial)
+    if got != md5:
+        partial.unlink()
+        raise UserError(f'the download of {url} has md5 {got}, not {md5}: it is damaged or not the '
+                        'CIFAR-10 archive; nothing was kept, try again')
+    os.replace(partial, archive)
+
+
+def extract(archive, data_dir):
+    """Extract the archive's cifar-10-batches-py/ into data_dir, whole or not at all."""
+    if not hasattr(tarfile, 'data_filter'):
+        raise UserError(f'this Python {platform.python_version()} cannot extract archives safely '
+                        '(tarfile has no data filter): use Python 3.10.12, 3.11.4, 3.12 or later')
+    staging = tempfile.mkdtemp(dir=data_dir, prefix='.extract-')
+    try:
+        with tarfile.open(archive, 'r:gz') as tar:
+            tar.extractall(staging, filter='data')  # refuses absolute paths, links out, devices
+        if not os.path.isdir(os.path.join(staging, BATCHES_DIR)):
+            raise UserError(f'{archive} holds no {BATCHES_DIR}/: not the CIFAR-10 python archive')
+        os.replace(os.path.join(staging, BATCHES_DIR), data_dir / BATCHES_DIR)
+    except (tarfile.TarError, EOFError, OSError) as e:  # zlib.error is an OSError subclass here
+        raise UserError(f'{archive} is truncated or corrupt ({e}): delete it, run again') from None
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def ensure_cifar10(data_dir, url=None, md5=None):
+    """The folder of CIFAR-10's batch files: data_dir itself if it is one (torchvision users often
+    point at it), else data_dir/cifar-10-batches-py, downloaded from url (the official address by
+    default) and extracted if it is missing. A failed download leaves behind only a partial
+    archive to resume, never a folder it made for nothing."""
+    data_dir, url, md5 = Path(data_dir), url or CIFAR10_URL, md5 or CIFAR10_MD5
+    if data_dir.is_file():
+        raise UserError(f'--data-dir {data_dir} is a file, not a folder')
+    if (data_dir / TRAIN_FILES[0]).is_file():
+        return data_dir
+    if (data_dir / BATCHES_DIR).is_dir():
+        return data_dir / BATCHES_DIR
+    folders = [*reversed(data_dir.absolute().parents), data_dir.absolute()]
+    created = next((p for p in folders if not p.exists()), None)  # the first this call would make
+    try:
+        data_dir.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=data_dir).close()
+    except OSError as e:
+        raise UserError(f'cannot write to --data-dir {data_dir} ({e.strerror}): choose another '
+                        'one') from None
+    archive = data_dir / url.rsplit('/', 1)[-1]
+    try:
+        if not archive.exists():
+            try:
+                download(url, archive, md5)
+            except UserError as e:  # a mistyped --data-dir is likelier than a network fault
+                check = ' (is that path right?)' if created else ''
+                raise UserError(f'no CIFAR-10 in --data-dir {data_dir}{check}; '
+                                f'downloading it there failed: {e}') from None
+        elif file_md5(archive) != md5:
+            raise UserError(f'{archive} exists but its md5 is not {md5}: delete it to download '
+                            f'again, or extract your copy so that {data_dir / BATCHES_DIR} exists')
+        extract(archive, data_dir)
+    finally:
+        if created and not any(data_dir.iterdir()):
+            shutil.rmtree(created)  # the folders this call made, still empty: the download failed
+    return data_dir / BATCHES_DIR
+
+
+def file_md5(path):
+    digest = hashlib.md5()
+    with open(path, 'rb') as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+class NumpyOnlyUnpickler(pickle.Unpickler):
+    """Unpickles the CIFAR-10 batch files without running code from them.
+
+    A pickle can name any importable function and call it; the batch files only need numpy's
+    array constructor and dtype, plus codecs.encode, which is how Python 3 writes bytes into a
+    protocol-2 pickle. Anything else is refused.
+    """
+    reconstruct = np.ndarray.__reduce__(np.zeros(0))[0]  # numpy's own, under either module name
+    SAFE = {
+        ('numpy.core.multiarray', '_reconstruct'): reconstruct,   # numpy < 2 spelling
+        ('numpy._core.multiarray', '_reconstruct'): reconstruct,  # numpy >= 2 spelling
+        ('numpy', 'ndarray'): np.ndarray,
+        ('numpy', 'dtype'): np.dtype,
+        ('_codecs', 'encode'): codecs.encode,
+    }
+
+    def find_class(self, module, name):
+        if (module, name) not in self.SAFE:
+            raise pickle.UnpicklingError(f'it refers to {module}.{name}, which a data file never '
+                                         'needs')
+        return self.SAFE[module, name]
+
+
+def read_batch(path):
+    """One batch file as (uint8 images N x 3 x 32 x 32, int64 labels N, md5 of the file)."""
+    try:
+        raw = path.read_bytes()
     except FileNotFoundError:
-        start = ' (a new job starts with --json)' if option == '--resume' else ''
-        raise UserError(f'{option} {path}: no such file{start}') from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise UserError(f'{option} {path} cannot be read ({e}); left as it is') from None
+        raise UserError(f'{path} is missing: {path.parent} is not a complete CIFAR-10 python '
+                        'copy') from None
     try:
-        job = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise UserError(f'{option} {path} is not whole JSON ({e.msg} at line {e.lineno} of '
-                        f'{text.count(chr(10)) + 1}): cut short, or not a --json file; left as it is') from None
-    runs = job.get('runs') if isinstance(job, dict) else None
-    if not (isinstance(runs, list) and set(JOB_KEYS) <= job.keys() and isinstance(job['hyperparameters'], dict)
-            and all(isinstance(r, dict) and RUN_KEYS <= r.keys() and isinstance(r['rows'], list) for r in runs)):
-        raise UserError(f'{option} {path} is not a --json file of this version of train_cifar10.py; '
-                        'left as it is')
-    for run in runs:  # JSON has no NaN: json_ready wrote a diverged run's NaNs as nulls
-        run['accuracy'] = math.nan if run['accuracy'] is None else run['accuracy']
-        run['rows'] = [{k: math.nan if v is None else v for k, v in row.items()} for row in run['rows']]
-    return job
-
-
-def job_differences(a, b, keys=JOB_KEYS):
-    """'name (in a -> in b)' for each setting of two jobs that differs, hyperparameters one by one."""
-    def short(v):
-        return str(v) if len(str(v)) <= 40 else str(v)[:37] + '...'
-    a, b = json_ready(a), json_ready(b)  # tuples as lists, as a JSON file holds them
-    differences = []
-    for key in keys:
-        if key == 'hyperparameters':
-            ha, hb = a[key], b[key]
-            differences += [f'{k} ({short(ha.get(k))} -> {short(hb.get(k))})'
-                            for k in list(ha) + [k for k in hb if k not in ha] if ha.get(k) != hb.get(k)]
-        elif a.get(key) != b.get(key):
-            differences.append(f'{key} ({short(a.get(key))} -> {short(b.get(key))})')
-    return differences
-
-
-def resumed_runs(job, path, context, runs_requested):
-    """The recorded runs (finished or failed) of the job read from path, which must be this job:
-    the same settings, on the same kind of device, data and number of ranks, with at most
-    runs_requested runs."""
-    differences = job_differences(job, context)
-    if differences:
-        raise UserError(f"--resume {path}: that job differs from this one in {', '.join(differences)} "
-                        '(that job -> this one); resume it with its own options, on its kind of device')
-    runs = job['runs']
-    if len(runs) > runs_requested:
-        raise UserError(f'--resume {path} holds {len(runs)} runs, more than --runs {runs_requested}')
-    if [(r['run'], r['seed']) for r in runs] != [(i + 1, context['seed'] + i) for i in range(len(runs))]:
-        raise UserError(f'--resume {path}: its runs are not runs 1-{len(runs)} with seeds from {context["seed"]}')
-    return runs
-
-
-def span(first, last):
-    """'run 3' or 'runs 3-7'."""
-    return f'run {first}' if first == last else f'runs {first}-{last}'
-
-
-def read_back_lines(runs, path, runs_requested):
-    """What --resume prints of the runs it read back: which they are, then their tables."""
-    lines = [f'\n--resume {path}: {span(1, len(runs))} read back, tables below; ' +
-             (f'{span(len(runs) + 1, runs_requested)} to run now' if len(runs) < runs_requested else
-              'every run has finished: nothing to train')]
-    for run in runs:
-        lines += [f"\nrun {run['run']}/{runs_requested} (seed {run['seed']}), read back from {path}",
-                  table_line(COLUMNS), *[table_row(row) for row in run['rows']]]
-        if run['failed']:
-            lines.append(f"run {run['run']} FAILED: the loss became NaN in epoch {len(run['rows'])}")
-    return lines
-
-
-def welch(a, b):
-    """Welch's comparison of the means of two samples: the difference b - a, its standard error,
-    degrees of freedom (Welch-Satterthwaite), 95 % confidence interval and two-sided p-value."""
-    va, vb = np.var(a, ddof=1) / len(a), np.var(b, ddof=1) / len(b)
-    diff, se = float(np.mean(b) - np.mean(a)), math.sqrt(va + vb)
-    df = (va + vb) ** 2 / (va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1))
-    half_width = t_quantile(0.975, df) * se
-    p = 2 * t_cdf(-abs(diff) / se, df)
-    return dict(diff=diff, se=se, df=df, ci95=(diff - half_width, diff + half_width), p=p)
-
-
-def runs_for_power(diff, std_a, std_b, power=0.8, alpha=0.05, most=10 ** 5):
-    """Runs per side for a two-sided Welch test at level alpha to find a true difference diff with
-    the given power, when the two sides spread as std_a and std_b. The power of n runs a side is
-    the chance that the t statistic, centred on diff / se(n), passes the critical value: the usual
-    approximation of the noncentral t by a shifted central t, which leaves out the chance of
-    passing the other critical value (< 0.001 at 80 % power). None if more than `most` are needed."""
-    def enough(n):
-        se = math.sqrt((std_a ** 2 + std_b ** 2) / n)
-        df = (std_a ** 2 + std_b ** 2) ** 2 / ((std_a ** 4 + std_b ** 4) / (n - 1))
-        return t_cdf(abs(diff) / se - t_quantile(1 - alpha / 2, df), df) >= power
-
-    if not enough(most):
-        return None
-    low, high = 1, 2  # power grows with n: find the first n that is enough by doubling, then halving
-    while not enough(high):
-        low, high = high, 2 * high
-    while high - low > 1:
-        mid = (low + high) // 2
-        low, high = (mid, high) if not enough(mid) else (low, mid)
-    return high
-
-
-def compare_lines(path_a, path_b):
-    """The report of --compare: each job's final accuracies, then B - A with Welch's interval and
-    p-value, and the runs per side that would resolve a difference of that size."""
-    a, b = read_job(path_a, '--compare'), read_job(path_b, '--compare')
-    for key in DATA_KEYS:
-        if a[key] != b[key]:
-            raise UserError(f'--compare: the two jobs did not test on the same data ({key}: {a[key]} -> {b[key]}); '
-                            'their accuracies are not comparable')
-    acc, lines = {}, []
-    for side, path, job in (('A', path_a, a), ('B', path_b, b)):
-        acc[side] = np.array([r['accuracy'] for r in job['runs'] if not r['failed']])
-        failed = len(job['runs']) - len(acc[side])
-        if len(acc[side]) < 2:
-            raise UserError(f'--compare: {path} has {len(acc[side])} finished run(s); a comparison needs '
-                            'at least 2 a side (the spread of one run is unknown)')
-        lines.append(f'{side}  {path}: {len(acc[side])} runs' + (f' ({failed} failed, left out)' if failed else '') +
-                     f', final accuracy (flip-TTA, EMA) mean {100 * acc[side].mean():.2f} %, '
-                     f'standard deviation {100 * acc[side].std(ddof=1):.2f} %')
-    differences = job_differences(a, b, [k for k in JOB_KEYS if k != 'seed'])
-    lines.append('B differs from A in: ' + (', '.join(differences) if differences else 'nothing it records'))
-    w = welch(acc['A'], acc['B'])
-    if w['se'] == 0:
-        return lines + ['both sides repeat one accuracy: no spread, no test']
-    low, high = w['ci95']
-    lines.append(f"B - A: {100 * w['diff']:+.3f} points, "
-                 f"95 % confidence interval [{100 * low:+.3f}, {100 * high:+.3f}] "
-                 f"(Welch, {w['df']:.1f} degrees of freedom), p = {w['p']:.2g} (two-sided)")
-    verdict = ('the interval holds 0: no difference shown at the 5 % level' if low <= 0 <= high else
-               f"B is {'higher' if w['diff'] > 0 else 'lower'} than A at the 5 % level")
-    n = runs_for_power(w['diff'], acc['A'].std(ddof=1), acc['B'].std(ddof=1))
-    if w['diff'] == 0:
-        need = 'the means are equal: there is no difference to resolve'
-    else:
-        need = (f"{n} runs a side" if n else 'more than 100,000 runs a side') + \
-               f" would find a true difference of {100 * abs(w['diff']):.3f} points 80 % of the time at the 5 % level"
-    return lines + [verdict, need]
+        batch = NumpyOnlyUnpickler(io.BytesIO(raw), encoding='latin1').load()
+    except pickle.UnpicklingError as e:
+        if 'never needs' in str(e):
+            raise UserError(f'refusing to load {path}: {e} (the file may have been tampered '
+                            'with)') from None
+        raise UserError(f'{path} is truncated or corrupt ({e}): delete {path.parent} and run '
+                        'again') from None
+    except Exception as e:  # a damaged pickle can fail in many ways: EOFError, ValueError, ...
+        raise UserError(f'{path} is truncated or corrupt ({type(e).__name__}: {e}): '
+                        f'delete {path.parent} and run again') from None
+    data = batch.get('data') if isinstance(batch, dict) else None
+    labels = batch.get('labels') if isinstance(batch, dict) else None
+    if not (isinstance(data, np.ndarray) and data.dtype == np.uint8 and data.ndim == 2
+            and data.shape[1] == 3 * 32 * 32 and data.shape[0] > 0):
+        raise UserError(f'{path} does not hold a "data" array of uint8 rows of 3072 pixels: wrong '
+                        'layout')
+    labels = np.asarray(labels) if isinstance(labels, (list, np.ndarray)) else np.zeros(0)
+    if labels.shape != (len(data),) or labels.dtype.kind not in 'iu':
+        raise UserError(f'{path} does not hold one integer label per image: wrong layout')
+    if labels.min() < 0 or labels.max() >= NUM_CLASSES:
+        raise UserError(f'{path} has labels outside 0..{NUM_CLASSES - 1}: wrong layout')
+    return data.reshape(-1, 3, 32, 32), labels.astype(np.int64), hashlib.md5(raw).hexdigest()
 
 
 # =============================================================================================
-# Main
+# Devices and precision
 # =============================================================================================
-class HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """--help with each option's default where the help text does not already say it."""
-
-    def _get_help_string(self, action):
-        text = action.help
-        if not any(action.default is v for v in (None, False, argparse.SUPPRESS)) and 'default' not in text:
-            text += ' (default: %(default)s)'
-        return text
-
-
-def parse_args(argv):
-    examples = __doc__.split('\n\n')[1]  # the usage lines at the top of this file
-    p = argparse.ArgumentParser(description=__doc__.split('\n')[0], formatter_class=HelpFormatter,
-                                epilog=f'examples:\n{examples}\n\nREADME.md says more.')
-    p.add_argument('--epochs', type=int, default=HYP['epochs'],
-                   help=f"training epochs; the lr peaks at a fifth of them and holds its floor for the last "
-                        f"{HYP['floor_epochs']}")
-    p.add_argument('--runs', type=int, default=1, help='independent runs (seeds seed, seed+1, ...)')
-    p.add_argument('--batch-size', type=int, default=HYP['batch_size'],
-                   help=f"images per step, a multiple of {HYP['bn_split_size']} (the ghost batch-norm split)")
-    p.add_argument('--data-dir', default='./data',
-                   help=f'holds {BATCHES_DIR}/ (or is that folder), downloaded if missing')
-    p.add_argument('--data-url', default=os.environ.get('CIFAR10_URL') or CIFAR10_URL,
-                   help='where to download the archive from (a mirror; also the CIFAR10_URL environment '
-                        'variable); its md5 must be the official one; default: the official address')
-    p.add_argument('--device', default='auto', help='auto (cuda, then mps, then cpu), cuda, cuda:N, mps, cpu')
-    p.add_argument('--dtype', default='auto', choices=['auto', 'fp16', 'bf16', 'fp32'],
-                   help='precision of everything but batch norm; auto: fp16 on cuda, fp32 elsewhere')
-    p.add_argument('--seed', type=int, default=0, help='seed of the first run')
-    p.add_argument('--cutout', type=int, default=HYP['cutout'], help='side of the cutout square; 0 for none')
-    p.add_argument('--tiny', action='store_true',
-                   help=f"{TINY['train_images']} training and {TINY['test_images']} test images, channels "
-                        f"{TINY['channels']}, {TINY['epochs']} epochs at batch {TINY['batch_size']}: an install check")
-    p.add_argument('--json', metavar='PATH', help="write every run's per-epoch rows and the summary as JSON")
-    p.add_argument('--log-tsv', metavar='PATH',
-                   help="write a DAWNBench TSV (epoch, hours, top1Accuracy); one block of rows per run")
-    p.add_argument('--save', metavar='PATH',
-                   help="save the last finished run's EMA model, with what it takes to rebuild it")
-    p.add_argument('--resume', metavar='PATH',
-                   help='continue the job whose --json file this is: its finished runs are read back, the rest '
-                        'run, and the file is updated after each (give the same options as that job; with --json '
-                        'OTHER the whole job goes to OTHER instead)')
-    p.add_argument('--compare', nargs=2, metavar=('A.json', 'B.json'),
-                   help="compare two jobs' --json files (B - A, Welch's t); trains nothing")
-    p.add_argument('--gpu-price', type=float, metavar='USD_PER_HOUR', help='also report the cost per run')
-    p.add_argument('--compile', action=argparse.BooleanOptionalAction, default=None,
-                   help='torch.compile the training and evaluation passes (outside the timed runs); '
-                        'default: on for cuda and cpu, off for mps and for --tiny')
-    p.add_argument('--peak-tflops', type=float, metavar='TFLOPS',
-                   help="the device's peak, for the model-FLOP utilisation (known GPUs are in PEAK_TFLOPS)")
-    args = p.parse_args(argv)
-    if args.tiny:  # tiny changes the defaults; explicit options still win
-        p.set_defaults(epochs=TINY['epochs'], batch_size=TINY['batch_size'])
-        args = p.parse_args(argv)
-    return args
-
-
-def in_notebook_cell():
-    """True when a notebook kernel (Colab, Jupyter) runs this file as a cell: sys.argv is then the
-    kernel's (`-f kernel.json`), not ours. `%run train_cifar10.py ARGS` sets a real argv instead."""
-    return os.path.basename(sys.argv[0]).endswith('kernel_launcher.py')
-
-
-def torchrun_ranks():
-    """(rank, local rank, world size) as torchrun sets them; (0, 0, 1) for a plain process."""
-    return tuple(int(os.environ.get(name, default)) for name, default in
-                 (('RANK', 0), ('LOCAL_RANK', 0), ('WORLD_SIZE', 1)))
-
-
 def pick_device(name, local_rank=None):
     """The training device. Under torchrun (local_rank given) each rank takes its own GPU."""
     if name == 'auto':
-        name = 'cuda' if torch.cuda.is_available() else 'mps' if torch.backends.mps.is_available() else 'cpu'
+        mps = torch.backends.mps.is_available()
+        name = 'cuda' if torch.cuda.is_available() else 'mps' if mps else 'cpu'
     try:
         device = torch.device(name)
     except RuntimeError:
         raise UserError(f'unknown --device {name!r}: use auto, cuda, cuda:N, mps or cpu') from None
     if device.type == 'cuda':
         if not torch.cuda.is_available():
-            raise UserError('--device cuda: torch sees no CUDA GPU (a CPU-only build, or no driver); '
-                            'use --device cpu or install a CUDA build of torch')
+            raise UserError('--device cuda: torch sees no CUDA GPU (a CPU-only build, or no '
+                            'driver); use --device cpu or install a CUDA build of torch')
         if local_rank is not None:
             device = torch.device('cuda', local_rank)
         if (device.index or 0) >= torch.cuda.device_count():
-            raise UserError(f'{device} is not there: only {torch.cuda.device_count()} CUDA device(s) are visible')
+            raise UserError(f'{device} is not there: only {torch.cuda.device_count()} CUDA '
+                            'device(s) are visible')
     elif device.type == 'mps':
         if not torch.backends.mps.is_available():
             raise UserError('--device mps: MPS is not available on this machine; use --device cpu')
@@ -1484,36 +862,67 @@ def pick_device(name, local_rank=None):
     return device
 
 
-def join_process_group(device):
-    """Join the ranks torchrun started: NCCL between GPUs, gloo between CPU processes."""
-    import torch.distributed.nn  # noqa: F401  now, not later: see leave_process_group
-    if device.type == 'cuda':
-        torch.cuda.set_device(device)
-    dist.init_process_group('nccl' if device.type == 'cuda' else 'gloo',
-                            device_id=device if device.type == 'cuda' else None)
-
-
-def leave_process_group():
-    """Destroy the process group, and with it gloo's worker threads, while Python still runs.
-
-    A gloo thread lets go of a collective's tensors only after the collective has returned; when
-    that falls after the interpreter began to shut down, the thread cannot take the GIL to free
-    them and the process aborts ("terminate called without an active exception": 2 of 66 runs of
-    the two-rank test's worker). The group joins its threads when its last reference goes, so the
-    caller drops its DistributedDataParallel models first, and torch.distributed.nn was imported
-    before the group existed: imported later, its functions' default arguments would hold the group
-    for good. torch lets go of the GIL while it joins them (2.8 and later; 2.6 and 2.7 deadlock here
-    in the tests).
-    """
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
 def native_bf16(device):
     """Whether this CUDA device computes in bf16 natively: Ampere (8.0) or later, or any ROCm GPU.
     torch.cuda.is_bf16_supported() asks about the current device, not this one, and counts
     emulation (a T4) as support."""
     return bool(torch.version.hip) or torch.cuda.get_device_capability(device)[0] >= 8
+
+
+def pick_dtype(name, device, channels_last):
+    """The training dtype; a short probe run must succeed with it on this device and layout."""
+    if name == 'auto':
+        name = 'fp16' if device.type == 'cuda' else 'fp32'
+    dtype = dict(fp16=torch.float16, bf16=torch.bfloat16, fp32=torch.float32)[name]
+    if dtype == torch.bfloat16 and device.type == 'cuda' and not native_bf16(device):
+        raise UserError(f'--dtype bf16: {torch.cuda.get_device_name(device)} has no native bf16 '
+                        '(torch would emulate it, slowly; it needs compute capability 8.0 or '
+                        'later); use fp16')
+    try:
+        probe_run(device, dtype, channels_last)
+    except (RuntimeError, TypeError, NotImplementedError) as e:
+        raise UserError(f'--dtype {name} does not run on {device.type} ({str(e).splitlines()[0]}); '
+                        'choose another --dtype or --device') from None
+    return dtype
+
+
+def probe_run(device, dtype, channels_last):
+    """Two steps of a narrow network on random images: every operation of a run (whitening,
+    augmentation, forward, backward, optimiser, EMA, evaluation), in seconds, before any data is
+    downloaded. A device or dtype that cannot run one of them raises here."""
+    rng, n = np.random.default_rng(0), 128
+    data = dict(train_images=rng.integers(0, 256, (n, 3, 32, 32), dtype=np.uint8),
+                train_labels=rng.integers(0, NUM_CLASSES, n),
+                test_images=rng.integers(0, 256, (n, 3, 32, 32), dtype=np.uint8),
+                test_labels=rng.integers(0, NUM_CLASSES, n))
+    hyp = {**HYP, 'channels': (8, 8, 8, 8), 'epochs': 1, 'batch_size': n // 2,
+           'eval_batch_size': n // 2, 'whitening_images': n, 'cutout': 8}
+    check_augmentation(device)
+    networks = Networks(hyp, device, dtype, compiled=False, channels_last=channels_last)
+    train_run(data, networks, hyp, seed=0, on_epoch=lambda row: None)
+
+
+def check_augmentation(device):
+    """crop, flip and cutout on the device against plain slicing of each image on the CPU: a
+    backend that computes one of them wrongly (MPS has, for some indexing patterns) is refused."""
+    g = torch.Generator().manual_seed(0)
+    images = torch.randint(0, 256, (24, 3, 40, 40), generator=g).float()
+    top, left, corner_top, corner_left = (torch.randint(0, 9, (24,), generator=g) for _ in range(4))
+    which = torch.arange(24) % 3 == 0
+    on_device = images.to(device)
+    corners = zip(images, top.tolist(), left.tolist())
+    expected = dict(
+        crop=torch.stack([x[:, t:t + 32, u:u + 32] for x, t, u in corners]),
+        flip=torch.stack([x.flip(2) if w else x for x, w in zip(images, which.tolist())]),
+        cutout=images.clone())
+    for x, t, l in zip(expected['cutout'], corner_top.tolist(), corner_left.tolist()):
+        x[:, t:t + 8, l:l + 8] = 0
+    got = dict(crop=crop(on_device, top, left, 32), flip=flip(on_device, which.to(device)),
+               cutout=cutout(on_device, corner_top.to(device), corner_left.to(device), 8))
+    for name, result in got.items():
+        if not torch.equal(result.cpu(), expected[name]):
+            raise UserError(f'{device.type} computes the augmentation "{name}" wrongly (checked '
+                            'against plain slicing): update torch, or use --device cpu')
 
 
 def evaluates_in_tf32(device, dtype):
@@ -1531,9 +940,11 @@ def fp32_precision(device, dtype):
     if device.type != 'cuda':
         return None  # CPUs and MPS compute fp32 as fp32
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
-    # inductor suggests TF32 whenever it compiles an fp32 matmul with TF32 off: here that is deliberate
+    # inductor suggests TF32 whenever it compiles an fp32 matmul with TF32 off: here, deliberately
     warnings.filterwarnings('ignore', message='TensorFloat32 tensor cores')
-    return ('training in fp32, the evaluation in TF32' if evaluates_in_tf32(device, dtype) else 'TF32 off')
+    if evaluates_in_tf32(device, dtype):
+        return 'training in fp32, the evaluation in TF32'
+    return 'TF32 off'
 
 
 def in_tf32(function):
@@ -1550,88 +961,26 @@ def in_tf32(function):
     return call
 
 
-def pick_dtype(name, device, channels_last):
-    """The training dtype; a short probe run must succeed with it on this device and layout."""
-    if name == 'auto':
-        name = 'fp16' if device.type == 'cuda' else 'fp32'
-    dtype = dict(fp16=torch.float16, bf16=torch.bfloat16, fp32=torch.float32)[name]
-    if dtype == torch.bfloat16 and device.type == 'cuda' and not native_bf16(device):
-        raise UserError(f'--dtype bf16: {torch.cuda.get_device_name(device)} has no native bf16 (torch would '
-                        'emulate it, slowly; it needs compute capability 8.0 or later); use fp16')
-    try:
-        probe_run(device, dtype, channels_last)
-    except (RuntimeError, TypeError, NotImplementedError) as e:
-        raise UserError(f'--dtype {name} does not run on {device.type} ({str(e).splitlines()[0]}); '
-                        'choose another --dtype or --device') from None
-    return dtype
-
-
-def check_options(args, hyp, world):
-    """Refuse, before any work, the options that cannot make a sensible run."""
-    for name in ('epochs', 'runs'):
-        if getattr(args, name) <= 0:
-            raise UserError(f'--{name} must be at least 1, not {getattr(args, name)}')
-    split = hyp['bn_split_size']
-    if hyp['batch_size'] <= 0 or hyp['batch_size'] % (world * split):
-        ranks = f' over {world} ranks (each rank takes a share of whole splits)' if world > 1 else ''
-        raise UserError(f"--batch-size must be a positive multiple of {world * split}{ranks}, "
-                        f"as ghost batch norm splits batches into {split} images; not {hyp['batch_size']}")
-    if not 0 <= hyp['cutout'] <= 32:
-        raise UserError(f"--cutout must be between 0 and 32 pixels, not {hyp['cutout']}")
-    if args.gpu_price is not None and args.gpu_price < 0:
-        raise UserError(f'--gpu-price must not be negative, not {args.gpu_price}')
-    if args.peak_tflops is not None and args.peak_tflops <= 0:
-        raise UserError(f'--peak-tflops must be positive, not {args.peak_tflops}')
-    for option in ('json', 'log_tsv', 'save'):  # 50 runs must not end in a FileNotFoundError
-        path = getattr(args, option) and Path(getattr(args, option))
-        flag = '--' + option.replace('_', '-')
-        if path and path.is_dir():
-            raise UserError(f'{flag} {path} is a folder: give a file name')
-        if path and not path.parent.is_dir():
-            raise UserError(f'{flag} {path}: the folder {path.parent} does not exist')
-        try:
-            if path:
-                tempfile.TemporaryFile(dir=path.parent).close()
-        except OSError as e:
-            raise UserError(f'{flag} {path}: cannot write in {path.parent} ({e.strerror})') from None
-
-
-def prepare_data(args, hyp, local_rank, world):
-    """Load (downloading if needed) the data set, the --tiny subset of it, and check the batch size.
-    Under torchrun one rank per machine downloads while the others wait, then they all read it."""
-    if world > 1 and local_rank != 0:
-        dist.barrier()
-    folder = ensure_cifar10(args.data_dir, args.data_url)
-    if world > 1 and local_rank == 0:
-        dist.barrier()
-    data = load_cifar10(folder)
-    if args.tiny:
-        for split in ('train', 'test'):
-            for key in (f'{split}_images', f'{split}_labels'):
-                data[key] = data[key][:hyp[f'{split}_images']]
-    if hyp['batch_size'] > len(data['train_images']):
-        raise UserError(f"--batch-size {hyp['batch_size']} is larger than the "
-                        f"{len(data['train_images'])} training images")
-    return data
-
-
 def speed_settings(args, device):
-    """(compile, channels_last) for this device. Compiling wins on CUDA (what airbench ships) and
-    on a CPU (a full-width step 1.5 times as fast, README: Speed), but takes about a minute on a
+    """(compiled, channels_last) for this device. Compiling wins on CUDA (what airbench ships) and
+    on a CPU (a full-width step 1.4 times as fast: README, Speed), but takes about a minute on a
     CPU, longer than all of --tiny; MPS's compiler is experimental. channels_last is the layout
     tensor cores and the CPU's convolutions are fastest in."""
-    compile = device.type in ('cuda', 'cpu') and not args.tiny
-    return (compile if args.compile is None else args.compile), device.type != 'mps'
+    compiled = device.type in ('cuda', 'cpu') and not args.tiny
+    return (compiled if args.compile is None else args.compile), device.type != 'mps'
 
 
-def compiled_warm_up(data, hyp, device, dtype, compile, channels_last, on_step, log):
+# =============================================================================================
+# Compilation: compiled before the warm-up, checked against eager, eager if it fails
+# =============================================================================================
+def compiled_warm_up(data, hyp, device, dtype, compiled, channels_last, progress, log):
     """Build the networks, compile them if asked, and warm them up; returns them and whether they
     are compiled. A compilation that fails (no C++ compiler, no Triton, a damaged cache), or whose
     training step disagrees with eager's, is said in one line, and training goes on eager: on every
     rank if it failed on any, since ranks that trained differently would wait for each other's
     collectives for ever."""
-    networks = Networks(hyp, device, dtype, compile, channels_last)
-    if compile:
+    networks = Networks(hyp, device, dtype, compiled, channels_last)
+    if compiled:
         rank, world = rank_and_world()
         start, error, disagreement = time.perf_counter(), None, None
         try:
@@ -1642,14 +991,14 @@ def compiled_warm_up(data, hyp, device, dtype, compile, channels_last, on_step, 
             error = e
         failed = error is not None or disagreement is not None
         if failed_on_any_rank(failed, device):
-            if failed or rank == 0:  # every rank that failed says why; rank 0 says it for the others
+            if failed or rank == 0:  # every rank that failed says why, rank 0 for the others
                 print(compile_failure_line(error, disagreement, rank, world), flush=True)
-            networks, compile = Networks(hyp, device, dtype, False, channels_last), False
+            networks, compiled = Networks(hyp, device, dtype, False, channels_last), False
         else:
-            log(f'torch.compile: {time.perf_counter() - start:.1f} s, and its training step checked against '
-                'eager, before the warm-up, outside every run\'s time')
-    warm_up(data, networks, hyp, device, on_step)
-    return networks, compile
+            log(f'torch.compile: {time.perf_counter() - start:.1f} s, and its training step '
+                "checked against eager, before the warm-up, outside every run's time")
+    warm_up(data, networks, hyp, progress)
+    return networks, compiled
 
 
 def compile_passes(networks, data, hyp, device):
@@ -1657,21 +1006,19 @@ def compile_passes(networks, data, hyp, device):
     and check the compiled training step against eager's; returns what disagreed, or None.
     No collective runs meanwhile (under torchrun, DDP's no_sync keeps the gradients on the rank),
     so a rank whose compilation fails leaves no other rank waiting for it."""
-    rank, world = rank_and_world()
-    b = hyp['batch_size'] // world
-    whitening = whitening_filters(normalise(data['train_images'][:hyp['whitening_images']], device, torch.float32),
-                                  hyp['whitening_eps'])
-    networks.reinitialise(whitening, seed=0)  # a run's first weights: the check needs a real network
-    x = normalise(data['train_images'][:b], device, networks.dtype).contiguous(memory_format=networks.memory_format)
+    b = rank_share(hyp['batch_size'])
+    images = normalise(data['train_images'][:hyp['whitening_images']], device, torch.float32)
+    networks.reinitialise(whitening_filters(images, hyp['whitening_eps']), seed=0)  # a run's first
+    x = normalise(data['train_images'][:b], device, networks.dtype)
+    x = x.contiguous(memory_format=networks.memory_format)
     y = torch.from_numpy(data['train_labels'][:b]).to(device)
-    with networks.model.no_sync() if world > 1 else contextlib.nullcontext():
+    with networks.parallel.no_sync() if dist.is_initialized() else contextlib.nullcontext():
         disagreement = compiled_step_disagreement(networks, x, y, hyp)
-    networks.opt.zero_grad()
-    test = normalise(data['test_images'][rank::world], device, networks.ema_dtype)
-    batches = test.contiguous(memory_format=networks.memory_format).split(hyp['eval_batch_size'])
+    networks.optimiser.zero_grad()
+    batches = test_set(data, networks, hyp)[0].split(hyp['eval_batch_size'])
     with torch.no_grad():
         for batch in {len(batch): batch for batch in batches}.values():  # a full batch and the last
-            networks.tta_logits(networks.ema, batch)
+            networks.tta_logits(batch)
     return disagreement
 
 
@@ -1689,9 +1036,9 @@ def compiled_step_disagreement(networks, x, y, hyp):
     set too tight a bound). At a run's first weights that distance is, per tensor, about 1e-5
     (--tiny) to 2e-3 (full width) in fp32, 5-12 % in fp16 and 15-45 % in bf16 (measured on the
     CPU): the batch norms' gradients cancel most of their terms. A NaN, or a gradient zeroed or
-    doubled (off by 100 % of its size), lies outside in fp32 and fp16, and for most tensors in bf16."""
+    doubled (off by 100 % of its size), lies outside in fp32 and fp16, and mostly in bf16."""
     exact_on = x.device if x.device.type != 'mps' else torch.device('cpu')  # MPS has no float64
-    exact_net = copy.deepcopy(networks.net).to(exact_on, torch.float64)
+    exact_net = copy.deepcopy(networks.network).to(exact_on, torch.float64)
 
     def loss_and_gradients(model, loss_function, images):
         params = [p for p in model.parameters() if p.requires_grad]
@@ -1701,10 +1048,11 @@ def compiled_step_disagreement(networks, x, y, hyp):
         loss.backward()
         return [t.detach().cpu().double() for t in [loss, *(p.grad for p in params)]]
 
-    names = ['the loss'] + [f"{name}'s gradient" for name, p in networks.net.named_parameters() if p.requires_grad]
+    names = ['the loss'] + [f"{name}'s gradient" for name, p in networks.network.named_parameters()
+                            if p.requires_grad]
     exact = loss_and_gradients(exact_net, summed_loss, x.to(exact_on, torch.float64))
-    eager = loss_and_gradients(networks.model, summed_loss, x)
-    compiled = loss_and_gradients(networks.model, networks.summed_loss, x)
+    eager = loss_and_gradients(networks.parallel, summed_loss, x)
+    compiled = loss_and_gradients(networks.parallel, networks.summed_loss, x)
     for name, c in zip(names, compiled):
         if not torch.isfinite(c).all():
             return f'{name} is not finite'
@@ -1714,7 +1062,8 @@ def compiled_step_disagreement(networks, x, y, hyp):
     for name, c, e, n, error in zip(names, compiled, eager, size, eager_error):
         gap, bound = float((c - e).norm()) / n, 4 * max(error, floor)
         if gap > bound:
-            return f'{name} differs from eager by {gap:.2g} of its size, beyond the {bound:.2g} its rounding allows'
+            return (f'{name} differs from eager by {gap:.2g} of its size, beyond the {bound:.2g} '
+                    'its rounding allows')
     return None
 
 
@@ -1723,14 +1072,17 @@ def compile_failure_line(error, disagreement, rank, world):
     rank), and why."""
     on_rank = f' on rank {rank}' if world > 1 else ''
     if disagreement is not None:
-        return f"torch.compile's training step disagrees with eager{on_rank} ({disagreement}): training eager instead"
+        return (f"torch.compile's training step disagrees with eager{on_rank} ({disagreement}): "
+                'training eager instead')
     if error is None:
-        return 'torch.compile failed on another rank (its line says why): every rank trains eager instead'
+        return ('torch.compile failed on another rank (its line says why): every rank trains eager '
+                'instead')
     chain = exception_chain(error, implicit=False)
     # the innermost exception that says something: the wrappers' own first lines vary with the torch
     # version ("backend='inductor' raised:")
     root = next((e for e in reversed(chain) if str(e).strip()), chain[-1])
-    reason = f'{type(root).__name__}: {str(root).strip().splitlines()[0] if str(root).strip() else ""}'[:200]
+    said = str(root).strip()
+    reason = f'{type(root).__name__}: {said.splitlines()[0] if said else ""}'[:200]
     cache = inductor_cache()
     hint = (f'; {cache} may hold a file of an interrupted compilation: delete it to compile again'
             if cache and any(cache in str(e) for e in chain) else '')
@@ -1768,7 +1120,7 @@ def failed_on_any_rank(failed, device):
 
 
 def inductor_cache():
-    """The folder where torch.compile keeps what it built, or None if this torch keeps it elsewhere."""
+    """The folder where torch.compile keeps what it built (None: this torch keeps it elsewhere)."""
     try:
         from torch._inductor.runtime.cache_dir_utils import cache_dir
     except ImportError:
@@ -1776,15 +1128,868 @@ def inductor_cache():
     return cache_dir()
 
 
-def summary_so_far(runs, args, device, flops=None, peak=None, world=1, read_back=0):
-    """The summary of the finished runs, with how many were read back by --resume, and on CUDA the
-    peak GPU memory of the runs this process trained."""
-    summary = summarize(runs, args.gpu_price, count_94=not args.tiny, flops=flops, peak=peak, world=world)
-    if args.resume:
-        summary.update(read_back=read_back, resumed_from=args.resume)
-    if device.type == 'cuda' and len(runs) > read_back:
-        summary['peak_memory_gb'] = torch.cuda.max_memory_allocated(device) / 1e9
-    return summary
+# =============================================================================================
+# torchrun: one rank of a process group. Each helper does nothing in one process.
+# =============================================================================================
+def torchrun_ranks():
+    """(rank, local rank, world size) as torchrun sets them; (0, 0, 1) for a plain process."""
+    return tuple(int(os.environ.get(name, default)) for name, default in
+                 (('RANK', 0), ('LOCAL_RANK', 0), ('WORLD_SIZE', 1)))
+
+
+def rank_and_world():
+    """This process's rank and the number of ranks: (0, 1) outside a process group."""
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def join_process_group(device):
+    """Join the ranks torchrun started: NCCL between GPUs, gloo between CPU processes."""
+    import torch.distributed.nn  # noqa: F401  now, not later: see leave_process_group
+    if device.type == 'cuda':
+        torch.cuda.set_device(device)
+    dist.init_process_group('nccl' if device.type == 'cuda' else 'gloo',
+                            device_id=device if device.type == 'cuda' else None)
+
+
+def leave_process_group():
+    """Destroy the process group, and with it gloo's worker threads, while Python still runs.
+
+    A gloo thread lets go of a collective's tensors only after the collective has returned; when
+    that falls after the interpreter began to shut down, the thread cannot take the GIL to free
+    them and the process aborts ("terminate called without an active exception": 2 of 66 runs of
+    the two-rank test's worker). The group joins its threads when its last reference goes, so the
+    caller drops its DistributedDataParallel models first, and torch.distributed.nn was imported
+    before the group existed: imported later, its functions' default arguments would hold the group
+    for good. torch lets go of the GIL while it joins them (2.8 and later; 2.6 and 2.7 deadlock here
+    in the tests).
+    """
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def data_parallel(net, device):
+    """net wrapped in DistributedDataParallel under torchrun (net itself in one process): it copies
+    rank 0's weights and buffers to every rank, then averages the gradients. It must not also copy
+    rank 0's batch-norm statistics at every forward, since train_epoch averages them over the
+    ranks; torch >= 2.13 calls that option forward_sync_buffers, older torch broadcast_buffers."""
+    if not dist.is_initialized():
+        return net
+    options = inspect.signature(nn.parallel.DistributedDataParallel).parameters
+    no_forward_sync = next(o for o in ('forward_sync_buffers', 'broadcast_buffers') if o in options)
+    return nn.parallel.DistributedDataParallel(
+        net, device_ids=[device] if device.type == 'cuda' else None, **{no_forward_sync: False})
+
+
+def rank_share(images):
+    """How many of a step's images this rank trains on (all of them in one process)."""
+    return images // rank_and_world()[1]
+
+
+def rank_slice(items):
+    """This rank's share of the test set: items rank, rank + world, ... (all, in one process)."""
+    rank, world = rank_and_world()
+    return items[rank::world]
+
+
+def global_batch_loss(loss):
+    """The loss to differentiate: DistributedDataParallel averages the gradients over the ranks, so
+    each rank's summed loss is scaled by their number, which makes the update that of the loss
+    summed over the global batch; in one process, the loss itself."""
+    return loss * dist.get_world_size() if dist.is_initialized() else loss
+
+
+@torch.no_grad()
+def average_over_ranks(tensors):
+    """Replace each tensor by its mean over the ranks, in one all-reduce (none in one process)."""
+    if not dist.is_initialized():
+        return
+    flat = torch.cat([t.flatten() for t in tensors]) / dist.get_world_size()
+    dist.all_reduce(flat)
+    for t, mean in zip(tensors, flat.split([t.numel() for t in tensors])):
+        t.copy_(mean.view_as(t))
+
+
+def sum_over_ranks(*values):
+    """The values (0-dim tensors on the device) summed over the ranks, as Python floats."""
+    sums = torch.stack([v.float() for v in values])
+    if dist.is_initialized():
+        dist.all_reduce(sums)
+    return sums.tolist()
+
+
+def same_on_every_rank(tensor):
+    """Rank 0's tensor on every rank, rather than each rank's own recomputation, bit for bit."""
+    if dist.is_initialized():
+        dist.broadcast(tensor, 0)
+    return tensor
+
+
+# =============================================================================================
+# Timing: the device's clock, the warm-up
+# =============================================================================================
+def synced_clock(device):
+    """The clock, read once the device, and under torchrun every rank, has done its queued work."""
+    if device.type == 'cuda':
+        torch.cuda.synchronize(device)
+    elif device.type == 'mps':
+        torch.mps.synchronize()
+    if dist.is_initialized():
+        dist.barrier()
+    return time.perf_counter()
+
+
+def warm_up(data, networks, hyp, progress=None):
+    """A throwaway run before the first clock starts, so that one-off costs (the CUDA context,
+    cuDNN's algorithm search for each shape, first allocations) are not charged to run 1. It is
+    a run on all the data (the same uploads, padding, whitening patches and augmentation buffers,
+    so the allocator holds blocks of every size a run asks for) cut to 2 training steps and the
+    last two evaluation batches (the runs' batch shapes: a full one and the shorter last one)."""
+    train_run(data, networks, {**hyp, 'epochs': 1}, seed=0, on_epoch=lambda row: None,
+              progress=progress, steps_per_epoch=2, test_batches=2)
+
+
+# =============================================================================================
+# Reporting: the Myrtle.ai / DAWNBench table, the header, the summary over runs
+# =============================================================================================
+COLUMNS = ('epoch', 'lr', 'train time', 'train loss', 'train acc',
+           'valid time', 'valid loss', 'valid acc', 'total time')
+
+
+def table_line(values):
+    """One line of 12-character right-aligned columns; floats with 4 decimals."""
+    return ''.join(f'{v:>12.4f}' if isinstance(v, float) else f'{v:>12}' for v in values)
+
+
+def table_row(row):
+    return table_line([row[c.replace(' ', '_')] for c in COLUMNS])
+
+
+def items_in_lines(first, items, width=100):
+    """`first`, then comma-separated items, wrapped between items into lines of at most width
+    characters (unless one item is longer), the lines after the first indented by 4."""
+    lines, line = [], first
+    for i, item in enumerate(items):
+        item += ',' if i < len(items) - 1 else ''
+        if len(line) + 1 + len(item) > width and line.strip():
+            lines.append(line)
+            line = '   '
+        line += ' ' + item
+    return lines + [line]
+
+
+def header_lines(hyp, data, device, dtype, seed, flops, peak, world, fp32_math=None):
+    """What a log must say before its first row: the script's version, the software and device,
+    the settings, the data's provenance, and the model FLOPs of a run."""
+    ranks = (f" | {world} ranks ({dist.get_backend()}), {hyp['batch_size'] // world} images each "
+             'per step' if world > 1 else '')
+    peak = (f' | peak {peak:g} TFLOP/s' + (f' x {world}' if world > 1 else '')) if peak else ''
+    fp32 = f'; {fp32_math}' if fp32_math else ''
+    tflop = {k: f'{v / 1e12:.4g} TFLOP' for k, v in flops.items() if k != 'steps'}
+    return [f'train_cifar10.py {script_hash()} | torch {torch.__version__} | '
+            f'{device_description(device)}{ranks}',
+            f"dtype {str(dtype).replace('torch.', '')} (batch norm fp32, EMA fp32{fp32}) | seed "
+            f"{seed} | {len(data['train_images'])} train / {len(data['test_images'])} test images",
+            *items_in_lines('hyperparameters:', [f'{k}={v}' for k, v in hyp.items()]),
+            f"data: {data['provenance']} (files' digest {data['digest']})",
+            f"model FLOPs: {tflop['step']} a training step x {flops['steps']} steps + "
+            f"{tflop['whitening']} whitening = {tflop['run']} a run (timed); "
+            f"{tflop['evaluation']} an evaluation (not timed){peak}",
+            'valid = flip-TTA accuracy of the EMA model; total time = preprocessing + training '
+            '(DAWNBench rule: validation excluded, after a warm-up)']
+
+
+def summarize(runs, gpu_price=None, count_94=True, flops=None, peak=None, world=1):
+    """Statistics over the finished runs; failed (diverged) runs are counted, not averaged.
+    count_94: count the runs that reached the recipe's 94 % (meaningless for --tiny). flops: the
+    model FLOPs of a run, for the achieved TFLOP/s, and with the peak TFLOP/s of one of the world
+    devices, the model-FLOP utilisation."""
+    finished = [r for r in runs if not r['failed']]
+    summary = dict(runs=len(runs), finished=len(finished), failed=len(runs) - len(finished))
+    if not finished:
+        return summary
+    acc = np.array([r['accuracy'] for r in finished])
+    times = np.array([r['time_s'] for r in finished])
+    summary.update(acc_mean=acc.mean(), acc_min=acc.min(), acc_median=float(np.median(acc)),
+                   acc_max=acc.max(), time_mean_s=times.mean(),
+                   time_median_s=float(np.median(times)), time_max_s=times.max())
+    if count_94:
+        summary['reached_94'] = int((acc >= 0.94).sum())
+    if len(acc) > 1:
+        std = acc.std(ddof=1)
+        half_width = t_quantile(0.975, len(acc) - 1) * std / math.sqrt(len(acc))
+        summary.update(acc_std=std, acc_ci95=(acc.mean() - half_width, acc.mean() + half_width))
+    if gpu_price is not None:
+        summary['cost_per_run_usd'] = times.mean() / 3600 * gpu_price
+    if flops:
+        summary['tflops_per_s'] = flops / 1e12 / times.mean()
+        if peak:
+            summary['mfu'] = summary['tflops_per_s'] / (peak * world)
+    return {k: (float(v) if isinstance(v, np.floating) else v) for k, v in summary.items()}
+
+
+def summary_lines(s):
+    failed = f", {s['failed']} failed (the loss became NaN)" if s['failed'] else ''
+    ran = s['runs'] - s.get('read_back', 0)
+    read_back = (f" ({s['read_back']} read back from {s['resumed_from']}"
+                 + (f', {ran} run now)' if ran else ')') if s.get('read_back') else '')
+    lines = [f"runs: {s['finished']} finished{failed}{read_back}"]
+    if not s['finished']:
+        return lines + ['no run finished: no statistics']
+    if s['finished'] == 1:
+        lines.append(f"accuracy (flip-TTA, EMA): {100 * s['acc_mean']:.2f} % (one run: no standard "
+                     'deviation)')
+        lines.append(f"time of the run: {s['time_mean_s']:.2f} s")
+        if 'reached_94' in s:
+            lines.append(f"reached 94%: {'yes' if s['reached_94'] else 'no'}")
+    else:
+        lines.append(f"accuracy (flip-TTA, EMA): mean {100 * s['acc_mean']:.2f} %, "
+                     f"standard deviation {100 * s['acc_std']:.2f} %")
+        low, high = s['acc_ci95']
+        lines.append(f'95% confidence interval of the mean: [{100 * low:.2f}, {100 * high:.2f}] %')
+        reached = (f";  runs >= 94%: {s['reached_94']} of {s['finished']}" if 'reached_94' in s
+                   else '')
+        lines.append(f"min / median / max: {100 * s['acc_min']:.2f} / {100 * s['acc_median']:.2f} "
+                     f"/ {100 * s['acc_max']:.2f} %{reached}")
+        lines.append(f"time per run: mean {s['time_mean_s']:.2f} s, median "
+                     f"{s['time_median_s']:.2f} s, max {s['time_max_s']:.2f} s")
+    if 'cost_per_run_usd' in s:
+        lines.append(f"cost per run: ${s['cost_per_run_usd']:.5f}")
+    if 'tflops_per_s' in s:
+        mfu = f", model-FLOP utilisation {100 * s['mfu']:.1f} %" if 'mfu' in s else ''
+        rate = (f"{s['tflops_per_s']:.2f} TFLOP/s" if s['tflops_per_s'] >= 1 else
+                f"{1000 * s['tflops_per_s']:.3g} GFLOP/s")
+        lines.append(f"achieved: {rate} of model FLOPs per run{mfu}")
+    if 'peak_memory_gb' in s:
+        lines.append(f"peak GPU memory: {s['peak_memory_gb']:.2f} GB")
+    return lines
+
+
+def device_description(device):
+    if device.type == 'cuda':
+        return (f'{torch.cuda.get_device_name(device)}, CUDA {torch.version.cuda}, '
+                f'cuDNN {torch.backends.cudnn.version()}')
+    if device.type == 'mps':
+        return 'Apple MPS'
+    return f'CPU ({platform.machine()}, {torch.get_num_threads()} threads)'
+
+
+def script_hash():
+    """sha256 of this file, so that a log tells which version made it (none when in a cell)."""
+    path = globals().get('__file__')
+    if not (path and os.path.isfile(path)):
+        return 'n/a'
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
+
+
+def count_flops(hyp, n_train, n_test):
+    """Model FLOPs of a run as torch.utils.flop_counter counts them (convolutions, matrix products),
+    on a copy of the network on the meta device, where nothing is computed: one training step
+    (forward and backward) of the whole batch, the whitening's patch moment, and one evaluation
+    pass (flip-TTA: two forwards of every test image)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    def flops(work):
+        with FlopCounterMode(display=False) as counter:
+            work()
+        return counter.get_total_flops()
+
+    with torch.device('meta'):
+        net = ResNet9(torch.zeros(27, 3, 3, 3), hyp)
+        batch = torch.zeros(hyp['batch_size'], 3, 32, 32)
+        labels = torch.zeros(hyp['batch_size'], dtype=torch.long)
+        step = flops(lambda: summed_loss(net, batch, labels, hyp['label_smoothing'])[0].backward())
+        patches = torch.zeros(min(hyp['whitening_images'], n_train), 3, 32, 32)
+        whitening = flops(lambda: patch_moment(patches))
+        with torch.no_grad():
+            evaluation = flops(lambda: flip_tta_logits(net.eval(), torch.zeros(n_test, 3, 32, 32)))
+    steps = hyp['epochs'] * (n_train // hyp['batch_size'])
+    return dict(step=step, steps=steps, whitening=whitening, run=steps * step + whitening,
+                evaluation=evaluation)
+
+
+# Dense fp16/bf16 tensor-core peaks in TFLOP/s (fp32 accumulation, no sparsity) from NVIDIA's
+# datasheets, which quote twice these "with sparsity", and architecture whitepapers. The first
+# name found as a word in torch.cuda.get_device_name() wins, so a variant precedes its family.
+PEAK_TFLOPS = (
+    ('H100 PCIe', 756),     # H100 datasheet: 1,513 with sparsity
+    ('H100 NVL', 835),      # H100 NVL datasheet: 1,671 with sparsity
+    ('H100', 989),          # H100 SXM datasheet: 1,979 with sparsity
+    ('H200 NVL', 835),      # H200 datasheet, NVL (PCIe) column: 1,671 with sparsity
+    ('H200', 989),          # H200 datasheet, SXM column: 1,979 with sparsity
+    ('GH200', 989),         # GH200 Grace Hopper datasheet: 1,979 with sparsity
+    ('A100', 312),          # A100 datasheet: 624 with sparsity
+    ('A10G', 70),           # AWS's A10 variant, no NVIDIA datasheet: AWS's and clouds' sheets
+    ('A10', 125),           # A10 datasheet: 250 with sparsity
+    ('L40S', 362),          # L40S datasheet: 362.05 (733 with sparsity)
+    ('L4', 121),            # L4 datasheet: 242 with sparsity
+    ('V100S', 130),         # V100S PCIe datasheet
+    ('V100-PCIE', 112),     # V100 datasheet, PCIe card
+    ('V100', 125),          # V100 datasheet, SXM2
+    ('T4', 65),             # T4 datasheet, mixed fp16/fp32
+    ('RTX 4090', 165),      # Ada (AD102) whitepaper, fp32 accumulate; 330 with fp16 accumulate
+    ('RTX 3090 Ti', 80),    # GeForce page: 320 sparse, fp16 accumulate; fp32 accumulate: half
+    ('RTX 3090', 71),       # Ampere GA102 whitepaper, fp32 accumulate; 142 with fp16 accumulate
+)
+
+
+def peak_tflops(device, dtype, given=None):
+    """The device's peak for this dtype: the --peak-tflops given, else the table's dense fp16/bf16
+    figure for a known GPU training in fp16 or bf16; None when unknown (a CPU, fp32)."""
+    if given:
+        return given
+    if device.type != 'cuda' or dtype not in (torch.float16, torch.bfloat16):
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in PEAK_TFLOPS if re.search(rf'\b{re.escape(key)}\b', name)),
+                None)
+
+
+class Progress:
+    """One rewritten line on stderr while an epoch trains: step k of n, images/s, time left.
+
+    Shown only when stderr is a terminal, so a piped log never holds it, and rewritten at most
+    once a second, so a GPU's sub-second epochs show nothing. It reads the host's clock, never
+    the device's: it adds no sync. clear() wipes it before the table's next row.
+    """
+
+    def __init__(self, enabled, images_per_step):
+        self.enabled, self.images_per_step = enabled, images_per_step
+        self.label, self.epochs, self.shown, self.start, self.last = '', 0, False, 0.0, 0.0
+
+    def of(self, label, epochs):
+        """This progress line, for what is labelled so and trains for that many epochs."""
+        self.label, self.epochs = label, epochs
+        return self
+
+    def __call__(self, epoch, step, steps):
+        if not self.enabled:
+            return
+        now = time.perf_counter()
+        if step == 1:
+            self.start = now  # the rate is timed from the end of step 1, after one-off costs
+        elif now - self.last < 1 and step < steps:
+            return
+        self.last = now
+        line = f'{self.label}, epoch {epoch}/{self.epochs}: step {step}/{steps}'
+        if step > 1:
+            rate = (step - 1) * self.images_per_step / (now - self.start)
+            left = (steps - step) * self.images_per_step / rate
+            left = f'{left:.0f} s' if left < 120 else f'{left / 60:.0f} min'
+            line += (f', {rate:.0f} images/s, {left} left in the epoch' if step < steps else
+                     ', evaluating')
+        print(f'\r\033[K{line}', end='', file=sys.stderr, flush=True)
+        self.shown = True
+
+    def clear(self):
+        if self.shown:
+            print('\r\033[K', end='', file=sys.stderr, flush=True)
+            self.shown = False
+
+
+# =============================================================================================
+# Statistics: the t distribution, Welch's comparison, the runs a comparison needs
+# =============================================================================================
+def incomplete_beta(a, b, x):
+    """The regularised incomplete beta function I_x(a, b) by its continued fraction
+    I_x(a, b) = x^a (1 - x)^b / (a B(a, b)) / (1 + d1 / (1 + d2 / (1 + ...))), evaluated with
+    Lentz's method. The fraction converges fast for x < (a + 1) / (a + b + 2); above that the
+    symmetry I_x(a, b) = 1 - I_(1-x)(b, a) brings x there."""
+    if x <= 0 or x >= 1:
+        return float(x >= 1)
+    mirrored = x > (a + 1) / (a + b + 2)
+    if mirrored:
+        a, b, x = b, a, 1 - x
+    log_front = (math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x)
+                 + b * math.log1p(-x))
+    front = math.exp(log_front) / a
+    tiny = 1e-300  # keeps Lentz's ratios finite when a partial denominator is zero
+    c, d = 1.0, 1 / (1 - (a + b) * x / (a + 1))  # the fraction's first term, d1
+    fraction = d
+    for i in range(1, 10000):
+        m = i // 2 if i % 2 == 0 else i // 2 + 1  # d_2m and d_2m+1 alternate: even and odd terms
+        if i % 2:
+            term = m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m))
+        else:
+            term = -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))
+        d = 1 / (1 + term * d if abs(1 + term * d) > tiny else tiny)
+        c = 1 + term / c if abs(1 + term / c) > tiny else tiny
+        fraction *= c * d
+        if abs(c * d - 1) < 1e-15:
+            break
+    else:
+        raise ArithmeticError(f'the incomplete beta fraction did not converge: a={a}, b={b}, x={x}')
+    value = front * fraction
+    return 1 - value if mirrored else value
+
+
+def t_cdf(t, df):
+    """P(T <= t) for Student's t distribution with df (any positive real) degrees of freedom:
+    its tail is I_x(df/2, 1/2) / 2 with x = df / (df + t^2), computed directly (no 1 - p), so
+    small p-values keep their digits."""
+    tail = 0.5 * incomplete_beta(df / 2, 0.5, df / (df + t * t))
+    return 1 - tail if t > 0 else tail
+
+
+def t_quantile(p, df):
+    """The t with t_cdf(t, df) = p, 0 < p < 1, by bisection."""
+    low, high = -1.0, 1.0
+    while t_cdf(low, df) > p:
+        low *= 2
+    while t_cdf(high, df) < p:
+        high *= 2
+    for _ in range(200):
+        mid = (low + high) / 2
+        if mid in (low, high):
+            break
+        low, high = (mid, high) if t_cdf(mid, df) < p else (low, mid)
+    return (low + high) / 2
+
+
+def welch(a, b):
+    """Welch's comparison of the means of two samples: the difference b - a, its standard error,
+    degrees of freedom (Welch-Satterthwaite), 95 % confidence interval and two-sided p-value."""
+    va, vb = np.var(a, ddof=1) / len(a), np.var(b, ddof=1) / len(b)
+    diff, se = float(np.mean(b) - np.mean(a)), math.sqrt(va + vb)
+    df = (va + vb) ** 2 / (va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1))
+    half_width = t_quantile(0.975, df) * se
+    p = 2 * t_cdf(-abs(diff) / se, df)
+    return dict(diff=diff, se=se, df=df, ci95=(diff - half_width, diff + half_width), p=p)
+
+
+def runs_for_power(diff, std_a, std_b, power=0.8, alpha=0.05, most=10 ** 5):
+    """Runs per side for a two-sided Welch test at level alpha to find a true difference diff with
+    the given power, when the two sides spread as std_a and std_b. The power of n runs a side is
+    the chance that the t statistic, centred on diff / se(n), passes the critical value: the usual
+    approximation of the noncentral t by a shifted central t, which leaves out the chance of
+    passing the other critical value (< 0.001 at 80 % power). None if more than `most` are
+    needed."""
+    def enough(n):
+        se = math.sqrt((std_a ** 2 + std_b ** 2) / n)
+        df = (std_a ** 2 + std_b ** 2) ** 2 / ((std_a ** 4 + std_b ** 4) / (n - 1))
+        return t_cdf(abs(diff) / se - t_quantile(1 - alpha / 2, df), df) >= power
+
+    if not enough(most):
+        return None
+    low, high = 1, 2  # power grows with n: the first n that is enough, by doubling then halving
+    while not enough(high):
+        low, high = high, 2 * high
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if not enough(mid) else (low, mid)
+    return high
+
+
+# =============================================================================================
+# Job files: written after every run, read back by --resume, compared by --compare
+# =============================================================================================
+def write_atomically(path, write):
+    """Write through a temporary file beside path, so that an interrupted write leaves nothing."""
+    path = Path(path)
+    tmp = path.with_name(f'.{path.name}.{os.getpid()}.part')
+    try:
+        with open(tmp, 'wb') as f:
+            write(f)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def json_ready(x):
+    """x with tuples as lists and NaN or infinity as null, which strict JSON readers accept."""
+    if isinstance(x, dict):
+        return {k: json_ready(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [json_ready(v) for v in x]
+    return None if isinstance(x, float) and not math.isfinite(x) else x
+
+
+def write_results(args, context, runs, summary, ema, hyp):
+    """Write --json, --log-tsv and --save from the runs finished so far, each atomically. Called
+    after every run, so that a crash, a kill or a lost notebook kernel at run 37 keeps runs 1-36."""
+    if args.json:
+        report = dict(context, runs_finished=len(runs), runs_requested=args.runs, runs=runs,
+                      summary=summary)
+        text = json.dumps(json_ready(report), indent=1, allow_nan=False)
+        write_atomically(args.json, lambda f: f.write(text.encode()))
+    if args.log_tsv:
+        lines = ['epoch\thours\ttop1Accuracy'] + [
+            f"{row['epoch']}\t{row['total_time'] / 3600:.6f}\t{100 * row['valid_acc']:.2f}"
+            for run in runs for row in run['rows']]
+        write_atomically(args.log_tsv, lambda f: f.write(('\n'.join(lines) + '\n').encode()))
+    if args.save and ema is not None:
+        # what it takes to rebuild and evaluate the model, data aside (README: Use a saved model)
+        checkpoint = dict(state_dict={k: v.cpu() for k, v in ema.state_dict().items()},
+                          hyperparameters=hyp, classes=CLASSES, mean=CIFAR10_MEAN, std=CIFAR10_STD,
+                          run=runs[-1]['run'], seed=runs[-1]['seed'], accuracy=runs[-1]['accuracy'])
+        write_atomically(args.save, lambda f: torch.save(checkpoint, f))
+
+
+# What makes a job's runs comparable with another's; --resume refuses to mix runs that differ in
+# any of these, --compare shows which differ and refuses only different test data.
+DATA_KEYS = ('data', 'data_digest', 'test_images')
+JOB_KEYS = ('script_sha256', 'torch', 'hyperparameters', 'dtype', 'device', 'ranks', *DATA_KEYS,
+            'seed')
+RUN_KEYS = {'run', 'seed', 'failed', 'rows', 'accuracy', 'time_s'}
+
+
+def read_job(path, option):
+    """The --json file of a job of this script, read (never written); else a one-line UserError."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        start = ' (a new job starts with --json)' if option == '--resume' else ''
+        raise UserError(f'{option} {path}: no such file{start}') from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f'{option} {path} cannot be read ({e}); left as it is') from None
+    try:
+        job = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise UserError(f'{option} {path} is not whole JSON ({e.msg} at line {e.lineno} of '
+                        f'{text.count(chr(10)) + 1}): cut short, or not a --json file; left as it '
+                        'is') from None
+    runs = job.get('runs') if isinstance(job, dict) else None
+    if not (isinstance(runs, list) and set(JOB_KEYS) <= job.keys()
+            and isinstance(job['hyperparameters'], dict)
+            and all(isinstance(r, dict) and RUN_KEYS <= r.keys() and isinstance(r['rows'], list)
+                    for r in runs)):
+        raise UserError(f'{option} {path} is not a --json file of this version of '
+                        'train_cifar10.py; left as it is')
+    for run in runs:  # JSON has no NaN: json_ready wrote a diverged run's NaNs as nulls
+        run['accuracy'] = math.nan if run['accuracy'] is None else run['accuracy']
+        run['rows'] = [{k: math.nan if v is None else v for k, v in row.items()}
+                       for row in run['rows']]
+    return job
+
+
+def job_differences(a, b, keys=JOB_KEYS):
+    """'name (in a -> in b)' for each setting in which two jobs differ, hyperparameters singly."""
+    def short(v):
+        return str(v) if len(str(v)) <= 40 else str(v)[:37] + '...'
+    a, b = json_ready(a), json_ready(b)  # tuples as lists, as a JSON file holds them
+    differences = []
+    for key in keys:
+        if key == 'hyperparameters':
+            ha, hb = a[key], b[key]
+            names = list(ha) + [k for k in hb if k not in ha]
+            differences += [f'{k} ({short(ha.get(k))} -> {short(hb.get(k))})'
+                            for k in names if ha.get(k) != hb.get(k)]
+        elif a.get(key) != b.get(key):
+            differences.append(f'{key} ({short(a.get(key))} -> {short(b.get(key))})')
+    return differences
+
+
+def resumed_runs(job, path, context, runs_requested):
+    """The recorded runs (finished or failed) of the job read from path, which must be this job:
+    the same settings, on the same kind of device, data and number of ranks, with at most
+    runs_requested runs."""
+    differences = job_differences(job, context)
+    if differences:
+        raise UserError(f"--resume {path}: that job differs from this one in "
+                        f"{', '.join(differences)} (that job -> this one); resume it with its own "
+                        'options, on its kind of device')
+    runs = job['runs']
+    if len(runs) > runs_requested:
+        raise UserError(f'--resume {path} holds {len(runs)} runs, more than --runs '
+                        f'{runs_requested}')
+    expected = [(i + 1, context['seed'] + i) for i in range(len(runs))]
+    if [(r['run'], r['seed']) for r in runs] != expected:
+        raise UserError(f'--resume {path}: its runs are not runs 1-{len(runs)} with seeds from '
+                        f'{context["seed"]}')
+    return runs
+
+
+def span(first, last):
+    """'run 3' or 'runs 3-7'."""
+    return f'run {first}' if first == last else f'runs {first}-{last}'
+
+
+def read_back_lines(runs, path, runs_requested):
+    """What --resume prints of the runs it read back: which they are, then their tables."""
+    lines = [f'\n--resume {path}: {span(1, len(runs))} read back, tables below; ' +
+             (f'{span(len(runs) + 1, runs_requested)} to run now' if len(runs) < runs_requested else
+              'every run has finished: nothing to train')]
+    for run in runs:
+        lines += [f"\nrun {run['run']}/{runs_requested} (seed {run['seed']}), read back from "
+                  f'{path}', table_line(COLUMNS), *[table_row(row) for row in run['rows']]]
+        if run['failed']:
+            lines.append(f"run {run['run']} FAILED: the loss became NaN in epoch "
+                         f"{len(run['rows'])}")
+    return lines
+
+
+def compare_lines(path_a, path_b):
+    """The report of --compare: each job's final accuracies, then B - A with Welch's interval and
+    p-value, and the runs per side that would resolve a difference of that size."""
+    a, b = read_job(path_a, '--compare'), read_job(path_b, '--compare')
+    for key in DATA_KEYS:
+        if a[key] != b[key]:
+            raise UserError(f'--compare: the two jobs did not test on the same data ({key}: '
+                            f'{a[key]} -> {b[key]}); their accuracies are not comparable')
+    acc, lines = {}, []
+    for side, path, job in (('A', path_a, a), ('B', path_b, b)):
+        acc[side] = np.array([r['accuracy'] for r in job['runs'] if not r['failed']])
+        failed = len(job['runs']) - len(acc[side])
+        if len(acc[side]) < 2:
+            raise UserError(f'--compare: {path} has {len(acc[side])} finished run(s); a comparison '
+                            'needs at least 2 a side (the spread of one run is unknown)')
+        left_out = f' ({failed} failed, left out)' if failed else ''
+        lines.append(f'{side}  {path}: {len(acc[side])} runs{left_out}, final accuracy (flip-TTA, '
+                     f'EMA) mean {100 * acc[side].mean():.2f} %, standard deviation '
+                     f'{100 * acc[side].std(ddof=1):.2f} %')
+    differences = job_differences(a, b, [k for k in JOB_KEYS if k != 'seed'])
+    lines.append('B differs from A in: ' + (', '.join(differences) or 'nothing it records'))
+    w = welch(acc['A'], acc['B'])
+    if w['se'] == 0:
+        return lines + ['both sides repeat one accuracy: no spread, no test']
+    low, high = w['ci95']
+    lines.append(f"B - A: {100 * w['diff']:+.3f} points, "
+                 f"95 % confidence interval [{100 * low:+.3f}, {100 * high:+.3f}] "
+                 f"(Welch, {w['df']:.1f} degrees of freedom), p = {w['p']:.2g} (two-sided)")
+    verdict = ('the interval holds 0: no difference shown at the 5 % level' if low <= 0 <= high else
+               f"B is {'higher' if w['diff'] > 0 else 'lower'} than A at the 5 % level")
+    n = runs_for_power(w['diff'], acc['A'].std(ddof=1), acc['B'].std(ddof=1))
+    if w['diff'] == 0:
+        need = 'the means are equal: there is no difference to resolve'
+    else:
+        need = ((f'{n} runs a side' if n else 'more than 100,000 runs a side') +
+                f" would find a true difference of {100 * abs(w['diff']):.3f} points 80 % of the "
+                'time at the 5 % level')
+    return lines + [verdict, need]
+
+
+# =============================================================================================
+# The command line, and main
+# =============================================================================================
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """--help with each option's default where the help text does not already say it."""
+
+    def _get_help_string(self, action):
+        text = action.help
+        unset = any(action.default is v for v in (None, False, argparse.SUPPRESS))
+        if not unset and 'default' not in text:
+            text += ' (default: %(default)s)'
+        return text
+
+
+def parse_args(argv):
+    examples = __doc__.split('\n\n')[1]  # the usage lines at the top of this file
+    p = argparse.ArgumentParser(description=__doc__.split('\n')[0], formatter_class=HelpFormatter,
+                                epilog=f'examples:\n{examples}\n\nREADME.md says more.')
+    add = p.add_argument
+    add('--epochs', type=int, default=HYP['epochs'],
+        help='training epochs; the lr peaks at a fifth of them and holds its floor for the last '
+             f"{HYP['floor_epochs']}")
+    add('--runs', type=int, default=1, help='independent runs (seeds seed, seed+1, ...)')
+    add('--batch-size', type=int, default=HYP['batch_size'],
+        help=f"images per step, a multiple of {HYP['bn_split_size']} (the ghost batch-norm split)")
+    add('--data-dir', default='./data',
+        help=f'holds {BATCHES_DIR}/ (or is that folder), downloaded if missing')
+    add('--data-url', default=os.environ.get('CIFAR10_URL') or CIFAR10_URL,
+        help='where to download the archive from (a mirror; also the CIFAR10_URL environment '
+             'variable); its md5 must be the official one; default: the official address')
+    add('--device', default='auto', help='auto (cuda, then mps, then cpu), cuda, cuda:N, mps, cpu')
+    add('--dtype', default='auto', choices=['auto', 'fp16', 'bf16', 'fp32'],
+        help='precision of everything but batch norm; auto: fp16 on cuda, fp32 elsewhere')
+    add('--seed', type=int, default=0, help='seed of the first run')
+    add('--cutout', type=int, default=HYP['cutout'], help='side of the cutout square; 0 for none')
+    add('--tiny', action='store_true',
+        help=f"{TINY['train_images']} training and {TINY['test_images']} test images, channels "
+             f"{TINY['channels']}, {TINY['epochs']} epochs at batch {TINY['batch_size']}: an "
+             'install check')
+    add('--json', metavar='PATH', help="write every run's per-epoch rows and the summary as JSON")
+    add('--log-tsv', metavar='PATH',
+        help='write a DAWNBench TSV (epoch, hours, top1Accuracy); one block of rows per run')
+    add('--save', metavar='PATH',
+        help="save the last finished run's EMA model, with what it takes to rebuild it")
+    add('--resume', metavar='PATH',
+        help='continue the job whose --json file this is: its finished runs are read back, the '
+             'rest run, and the file is updated after each (give the same options as that job; '
+             'with --json OTHER the whole job goes to OTHER instead)')
+    add('--compare', nargs=2, metavar=('A.json', 'B.json'),
+        help="compare two jobs' --json files (B - A, Welch's t); trains nothing")
+    add('--gpu-price', type=float, metavar='USD_PER_HOUR', help='also report the cost per run')
+    add('--compile', action=argparse.BooleanOptionalAction, default=None,
+        help='torch.compile the training and evaluation passes (outside the timed runs); default: '
+             'on for cuda and cpu, off for mps and for --tiny')
+    add('--peak-tflops', type=float, metavar='TFLOPS',
+        help="the device's peak, for the model-FLOP utilisation (known GPUs are in PEAK_TFLOPS)")
+    args = p.parse_args(argv)
+    if args.tiny:  # tiny changes the defaults; explicit options still win
+        p.set_defaults(epochs=TINY['epochs'], batch_size=TINY['batch_size'])
+        args = p.parse_args(argv)
+    return args
+
+
+def in_notebook_cell():
+    """True when a notebook kernel (Colab, Jupyter) runs this file as a cell: sys.argv is then the
+    kernel's (`-f kernel.json`), not ours. `%run train_cifar10.py ARGS` sets a real argv instead."""
+    return os.path.basename(sys.argv[0]).endswith('kernel_launcher.py')
+
+
+def check_options(args, hyp, world):
+    """Refuse, before any work, the options that cannot make a sensible run."""
+    for name in ('epochs', 'runs'):
+        if getattr(args, name) <= 0:
+            raise UserError(f'--{name} must be at least 1, not {getattr(args, name)}')
+    split = hyp['bn_split_size']
+    if hyp['batch_size'] <= 0 or hyp['batch_size'] % (world * split):
+        ranks = f' over {world} ranks (each takes a share of whole splits)' if world > 1 else ''
+        raise UserError(f"--batch-size must be a positive multiple of {world * split}{ranks}, "
+                        f"as ghost batch norm splits batches into {split} images; not "
+                        f"{hyp['batch_size']}")
+    if not 0 <= hyp['cutout'] <= 32:
+        raise UserError(f"--cutout must be between 0 and 32 pixels, not {hyp['cutout']}")
+    if args.gpu_price is not None and args.gpu_price < 0:
+        raise UserError(f'--gpu-price must not be negative, not {args.gpu_price}')
+    if args.peak_tflops is not None and args.peak_tflops <= 0:
+        raise UserError(f'--peak-tflops must be positive, not {args.peak_tflops}')
+    for option in ('json', 'log_tsv', 'save'):  # 50 runs must not end in a FileNotFoundError
+        path = getattr(args, option) and Path(getattr(args, option))
+        flag = '--' + option.replace('_', '-')
+        if path and path.is_dir():
+            raise UserError(f'{flag} {path} is a folder: give a file name')
+        if path and not path.parent.is_dir():
+            raise UserError(f'{flag} {path}: the folder {path.parent} does not exist')
+        try:
+            if path:
+                tempfile.TemporaryFile(dir=path.parent).close()
+        except OSError as e:
+            raise UserError(f'{flag} {path}: cannot write in {path.parent} ({e.strerror})') \
+                from None
+
+
+def prepare_data(args, hyp, local_rank, world):
+    """Load (downloading if needed) the data set, the --tiny subset of it, and check the batch size.
+    Under torchrun one rank per machine downloads while the others wait, then they all read it."""
+    if world > 1 and local_rank != 0:
+        dist.barrier()
+    folder = ensure_cifar10(args.data_dir, args.data_url)
+    if world > 1 and local_rank == 0:
+        dist.barrier()
+    data = load_cifar10(folder)
+    if args.tiny:
+        for split in ('train', 'test'):
+            for key in (f'{split}_images', f'{split}_labels'):
+                data[key] = data[key][:hyp[f'{split}_images']]
+    if hyp['batch_size'] > len(data['train_images']):
+        raise UserError(f"--batch-size {hyp['batch_size']} is larger than the "
+                        f"{len(data['train_images'])} training images")
+    return data
+
+
+class Job:
+    """One command's runs: its settings, device and data, the runs read back or trained, and the
+    files written after each. main drives it: set_up, train, finish."""
+
+    def __init__(self, args):
+        self.args = args
+        self.hyp = {**HYP, **(TINY if args.tiny else {}),
+                    'epochs': args.epochs, 'batch_size': args.batch_size, 'cutout': args.cutout}
+        self.rank, self.local_rank, self.world = torchrun_ranks()
+        self.log = print if self.rank == 0 else (lambda *_, **__: None)
+        self.runs, self.read_back, self.device, self.networks = [], [], None, None
+
+    def set_up(self):
+        """Check the options, choose the device and dtype, load the data, read back a resumed job:
+        all that can be wrong is found here, before any training, and raised as a UserError."""
+        args, hyp = self.args, self.hyp
+        args.json = args.json or args.resume  # a resumed job goes on writing its own file
+        check_options(args, hyp, self.world)
+        job = read_job(args.resume, '--resume') if args.resume else None  # refused before any work
+        self.device = pick_device(args.device, self.local_rank if self.world > 1 else None)
+        self.compiled, self.channels_last = speed_settings(args, self.device)
+        self.dtype = pick_dtype(args.dtype, self.device, self.channels_last)
+        if self.world > 1:
+            join_process_group(self.device)
+        self.data = data = prepare_data(args, hyp, self.local_rank, self.world)
+        self.fp32_math = fp32_precision(self.device, self.dtype)
+        self.flops = count_flops(hyp, len(data['train_images']), len(data['test_images']))
+        self.peak = peak_tflops(self.device, self.dtype, args.peak_tflops)
+        self.context = dict(
+            script_sha256=script_hash(), torch=torch.__version__,
+            device=device_description(self.device), ranks=self.world, dtype=str(self.dtype),
+            fp32_math=self.fp32_math, hyperparameters=hyp,
+            seed=args.seed, data=data['provenance'], data_digest=data['digest'],
+            train_images=len(data['train_images']), test_images=len(data['test_images']),
+            channels_last=self.channels_last, flops=self.flops, peak_tflops=self.peak)
+        self.read_back = resumed_runs(job, args.resume, self.context, args.runs) if job else []
+
+    def train(self):
+        """Print the header and the runs read back, warm up (compiling first), then train the
+        missing runs, writing the files after each."""
+        args, hyp, log = self.args, self.hyp, self.log
+        if self.device.type == 'cuda':
+            torch.backends.cudnn.benchmark = True  # fixed shapes: cuDNN picks the fastest kernels
+        log('\n'.join(header_lines(hyp, self.data, self.device, self.dtype, args.seed, self.flops,
+                                   self.peak, self.world, self.fp32_math)))
+        if self.read_back:
+            log('\n'.join(read_back_lines(self.read_back, args.resume, args.runs)))
+            self.runs = list(self.read_back)
+        shown = self.rank == 0 and sys.stderr.isatty()
+        self.progress = Progress(enabled=shown, images_per_step=hyp['batch_size'])
+        if len(self.runs) < args.runs:
+            log(f"\n{'compilation, then ' if self.compiled else ''}warm-up: an untimed run of 2 "
+                'steps and 2 evaluation batches takes the one-off costs', flush=True)
+            self.networks, self.compiled = compiled_warm_up(
+                self.data, hyp, self.device, self.dtype, self.compiled, self.channels_last,
+                self.progress.of('warm-up', 1), log)
+            self.context['compiled'] = self.compiled
+            self.progress.clear()
+        if self.device.type == 'cuda':
+            torch.cuda.reset_peak_memory_stats(self.device)  # the runs', not the warm-up's
+        for run in range(len(self.runs) + 1, args.runs + 1):
+            self.train_one(run)
+
+    def train_one(self, run):
+        """Train run number `run` (seed: the first seed + run - 1), print its rows, keep it, and
+        write the files."""
+        args, hyp, seed = self.args, self.hyp, self.args.seed + run - 1
+        self.log(f'\nrun {run}/{args.runs} (seed {seed})')
+        self.log(table_line(COLUMNS), flush=True)
+
+        def on_epoch(row):
+            self.progress.clear()
+            self.log(table_row(row), flush=True)
+        progress = self.progress.of(f'run {run}/{args.runs}', hyp['epochs'])
+        rows = train_run(self.data, self.networks, hyp, seed, on_epoch, progress)
+        failed = len(rows) < hyp['epochs'] or not math.isfinite(rows[-1]['valid_loss'])
+        if failed:
+            self.log(f'run {run} FAILED: the loss became NaN in epoch {len(rows)}')
+        self.runs.append(dict(run=run, seed=seed, failed=failed, rows=rows,
+                              accuracy=rows[-1]['valid_acc'], time_s=rows[-1]['total_time']))
+        if self.rank == 0:
+            ema = None if failed else self.networks.ema
+            write_results(args, self.context, self.runs, self.summary(), ema, hyp)
+
+    def summary(self):
+        """The summary of the finished runs, with how many were read back by --resume, and on CUDA
+        the peak GPU memory of the runs this process trained."""
+        args = self.args
+        summary = summarize(self.runs, args.gpu_price, count_94=not args.tiny,
+                            flops=self.flops['run'], peak=self.peak, world=self.world)
+        if args.resume:
+            summary.update(read_back=len(self.read_back), resumed_from=args.resume)
+        if self.device.type == 'cuda' and len(self.runs) > len(self.read_back):
+            summary['peak_memory_gb'] = torch.cuda.max_memory_allocated(self.device) / 1e9
+        return summary
+
+    def interrupted(self):
+        if sys.stderr.isatty():
+            print('\r\033[K', end='', file=sys.stderr)  # wipe a progress line
+        finished = f': summary of the {len(self.runs)} finished run(s)' if self.runs else ''
+        self.log(f'\ninterrupted{finished}')
+
+    def finish(self):
+        """Print the summary of the finished runs; the exit status: 130 for an interrupted job (the
+        shell's code for Ctrl-C), 1 if a run failed, else 0."""
+        if self.runs:
+            summary = self.summary()
+            self.log('\n' + '\n'.join(summary_lines(summary)))
+        if len(self.runs) < self.args.runs:
+            return 130
+        return 1 if summary['failed'] else 0
 
 
 def main(argv=None):
@@ -1807,86 +2012,20 @@ def main(argv=None):
         except UserError as e:
             print(f'error: {e}', file=sys.stderr)
             return 1
-    args.json = args.json or args.resume  # a resumed job goes on writing its own file
-    hyp = {**HYP, **(TINY if args.tiny else {}),
-           'epochs': args.epochs, 'batch_size': args.batch_size, 'cutout': args.cutout}
-    rank, local_rank, world = torchrun_ranks()
-    log = print if rank == 0 else (lambda *_, **__: None)
-    runs, read_back, device = [], [], None
+    job = Job(args)
     try:
         try:
-            check_options(args, hyp, world)
-            job = read_job(args.resume, '--resume') if args.resume else None  # a bad file: refused before any work
-            device = pick_device(args.device, local_rank if world > 1 else None)
-            compile, channels_last = speed_settings(args, device)
-            dtype = pick_dtype(args.dtype, device, channels_last)
-            if world > 1:
-                join_process_group(device)
-            data = prepare_data(args, hyp, local_rank, world)
-            fp32_math = fp32_precision(device, dtype)
-            flops = count_flops(hyp, len(data['train_images']), len(data['test_images']))
-            peak = peak_tflops(device, dtype, args.peak_tflops)
-            context = dict(script_sha256=script_hash(), torch=torch.__version__, device=device_description(device),
-                           ranks=world, dtype=str(dtype), fp32_math=fp32_math, hyperparameters=hyp, seed=args.seed,
-                           data=data['provenance'], data_digest=data['digest'],
-                           train_images=len(data['train_images']), test_images=len(data['test_images']),
-                           channels_last=channels_last, flops=flops, peak_tflops=peak)
-            read_back = resumed_runs(job, args.resume, context, args.runs) if job else []
+            job.set_up()
         except UserError as e:  # torchrun stops the other ranks when one exits with an error
-            print(f"error{f' (rank {rank})' if world > 1 else ''}: {e}", file=sys.stderr)
+            print(f"error{f' (rank {job.rank})' if job.world > 1 else ''}: {e}", file=sys.stderr)
             return 1
-        if device.type == 'cuda':
-            torch.backends.cudnn.benchmark = True  # fixed shapes: let cuDNN pick the fastest kernels
-
-        log('\n'.join(header_lines(hyp, data, device, dtype, args.seed, flops, peak, world, fp32_math)))
-        if read_back:
-            log('\n'.join(read_back_lines(read_back, args.resume, args.runs)))
-            runs = list(read_back)
-        progress = Progress(enabled=rank == 0 and sys.stderr.isatty())
-
-        def on_step(label, epochs):
-            return lambda epoch, step, steps: progress.step(f'{label}, epoch {epoch}/{epochs}', step, steps,
-                                                            hyp['batch_size'])
-
-        def on_epoch(row):
-            progress.clear()
-            log(table_row(row), flush=True)
-
-        if len(runs) < args.runs:
-            log(f"\n{'compilation, then ' if compile else ''}warm-up: an untimed run of 2 steps and 2 evaluation "
-                'batches takes the one-off costs', flush=True)
-            networks, compile = compiled_warm_up(data, hyp, device, dtype, compile, channels_last,
-                                                 on_step('warm-up', 1), log)
-            context['compiled'] = compile
-            progress.clear()
-        if device.type == 'cuda':
-            torch.cuda.reset_peak_memory_stats(device)  # the runs' peak, not the probe's or warm-up's
-        for run in range(len(runs), args.runs):
-            log(f'\nrun {run + 1}/{args.runs} (seed {args.seed + run})')
-            log(table_line(COLUMNS), flush=True)
-            rows = train_run(data, networks, hyp, device, args.seed + run, on_epoch,
-                             on_step(f'run {run + 1}/{args.runs}', hyp['epochs']))
-            failed = len(rows) < hyp['epochs'] or not math.isfinite(rows[-1]['valid_loss'])
-            if failed:
-                log(f'run {run + 1} FAILED: the loss became NaN in epoch {len(rows)}')
-            runs.append(dict(run=run + 1, seed=args.seed + run, failed=failed, rows=rows,
-                             accuracy=rows[-1]['valid_acc'], time_s=rows[-1]['total_time']))
-            if rank == 0:
-                summary = summary_so_far(runs, args, device, flops['run'], peak, world, len(read_back))
-                write_results(args, context, runs, summary, None if failed else networks.ema, hyp)
+        job.train()
     except KeyboardInterrupt:
-        if sys.stderr.isatty():
-            print('\r\033[K', end='', file=sys.stderr)  # wipe a progress line
-        log(f'\ninterrupted: summary of the {len(runs)} finished run(s)' if runs else '\ninterrupted')
+        job.interrupted()
     finally:
-        networks = None  # its DistributedDataParallel model holds the process group
+        job.networks = None  # its DistributedDataParallel model holds the process group
         leave_process_group()
-    if runs:
-        summary = summary_so_far(runs, args, device, flops['run'], peak, world, len(read_back))
-        log('\n' + '\n'.join(summary_lines(summary)))
-    if len(runs) < args.runs:
-        return 130  # the shell's code for Ctrl-C
-    return 1 if summary['failed'] else 0
+    return job.finish()
 
 
 if __name__ == '__main__':
