@@ -70,7 +70,7 @@ HYP = dict(
     batch_size=512,          # Page; the last partial batch is dropped: 97 steps per epoch
     lr_peak=1.0,             # schedule: 0 -> lr_peak, linearly, over the first fifth of training
     lr_floor=0.1,            # ... then linearly down to lr_floor, held for the last floor_epochs
-    floor_epochs=2,          # Page: the EMA averages these low-lr epochs
+    floor_epochs=2,          # Page: 2 epochs at the floor, which the EMA's average is mostly of
     momentum=0.9,            # Page: Nesterov momentum
     weight_decay=5e-4,       # Page; times batch_size per step, see above
     bias_lr_scale=64,        # Page: batch-norm biases take lr x 64 and weight decay / 64
@@ -85,9 +85,9 @@ HYP = dict(
     whitening_eps=1e-2,      # ... each filter divided by sqrt(eigenvalue + eps)
     pad=4,                   # Page: reflect-pad by 4, then take a random 32x32 crop
     cutout=0,                # side of a zeroed square; 0 in the 10-epoch recipe, Page used 8 later
-    augment_options=200,     # Page's loader: each epoch at most 200 crop (or cutout) positions,
-                             # each for an equal share of the images; exactly half of them flipped
-    eval_batch_size=1000,    # any size gives the same results; 1000 divides the 10,000 test images
+    augment_options=200,     # Page's loader: each epoch at most 200 crop positions (and as many
+                             # cutout ones), each for an equal share of the images; half flipped
+    eval_batch_size=1000,    # any size gives the same results up to rounding; 1000 divides 10,000
 )
 # --tiny: the same code path on a subset with a narrow network, so that a 2-core CPU finishes in
 # seconds and still learns well above chance. Its 184 steps are too few for an EMA at 0.99 (a
@@ -95,15 +95,10 @@ HYP = dict(
 TINY = dict(epochs=4, batch_size=64, train_images=3000, test_images=500, channels=(8, 16, 32, 64),
             ema_momentum=0.9, whitening_images=3000, eval_batch_size=250)
 
-# Page's per-channel statistics of the CIFAR-10 training set, on the 0-255 scale.
-CIFAR10_MEAN = (125.31, 122.95, 113.87)
-CIFAR10_STD = (62.99, 62.09, 66.70)
-
 # =============================================================================================
 # The recipe, in the order a run uses it. 1. The data: CIFAR-10 as uint8 arrays
 # =============================================================================================
 NUM_CLASSES = 10
-CLASSES = ('airplane', 'automobile', 'bird', 'cat', 'deer', 'dog', 'frog', 'horse', 'ship', 'truck')
 TRAIN_FILES = ('data_batch_1', 'data_batch_2', 'data_batch_3', 'data_batch_4', 'data_batch_5')
 TEST_FILE = 'test_batch'
 OFFICIAL_MD5 = {
@@ -117,18 +112,20 @@ OFFICIAL_MD5 = {
 
 
 def load_cifar10(folder):
-    """The training and test sets as uint8 arrays (read_batch checks each file), a line saying
-    whether they are the official files, and a digest that names this copy."""
+    """The training and test sets as arrays (uint8 images N x 3 x 32 x 32, int64 labels N;
+    read_batch checks each file), a line saying whether they are the official files, and a digest
+    naming the copy."""
     train = [read_batch(folder / name) for name in TRAIN_FILES]
     test = read_batch(folder / TEST_FILE)
-    differing = [name for name, (*_, md5) in zip(TRAIN_FILES + (TEST_FILE,), train + [test])
-                 if md5 != OFFICIAL_MD5[name]]
+    md5s = [md5 for _, _, md5 in train + [test]]
+    names = TRAIN_FILES + (TEST_FILE,)
+    differing = [name for name, md5 in zip(names, md5s) if md5 != OFFICIAL_MD5[name]]
     if differing:
         provenance = (f'NOT the official CIFAR-10: {", ".join(differing)} differ from the official '
                       'md5s, so accuracies below are not CIFAR-10 results')
     else:
         provenance = 'official CIFAR-10 (all six batch files match their published md5s)'
-    digest = hashlib.sha256(' '.join(b[2] for b in train + [test]).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(' '.join(md5s).encode()).hexdigest()[:16]
     return dict(train_images=np.concatenate([b[0] for b in train]),
                 train_labels=np.concatenate([b[1] for b in train]),
                 test_images=test[0], test_labels=test[1], provenance=provenance, digest=digest)
@@ -137,6 +134,11 @@ def load_cifar10(folder):
 # =============================================================================================
 # 2. Preprocessing and augmentation, on the training device, over whole batches
 # =============================================================================================
+# Page's per-channel statistics of the CIFAR-10 training set, on the 0-255 scale.
+CIFAR10_MEAN = (125.31, 122.95, 113.87)
+CIFAR10_STD = (62.99, 62.09, 66.70)
+
+
 def normalise(images, device, dtype):
     """Upload uint8 N x 3 x 32 x 32 images once and normalise them per channel on the device."""
     x = torch.from_numpy(images).to(device).float()
@@ -146,10 +148,10 @@ def normalise(images, device, dtype):
 
 
 def balanced_choice(n, options, max_options, generator):
-    """One of `options` choices for each of n images, as Page's loader draws them: at most
-    max_options of them, picked at random, each given to an equal share of the images (exactly half
-    are flipped, every crop offset is used equally often). The draws come from the run's CPU
-    generator, so every rank and every device type gets the same ones."""
+    """For each of n images one of the choices 0 .. options - 1, as Page's loader draws them: at
+    most max_options choices picked at random, each given to an equal share of the images (to within
+    one image: half are flipped). The draws come from the run's CPU generator, so every rank and
+    every device type gets the same ones."""
     picked = torch.randperm(options, generator=generator)[:max_options]
     return picked[torch.randperm(n, generator=generator) % len(picked)]
 
@@ -157,14 +159,14 @@ def balanced_choice(n, options, max_options, generator):
 def draw_augmentation(n, hyp, generator):
     """Every random choice of one epoch, as index tensors on the CPU: crop offsets, flips,
     cutout squares and the order of the images."""
-    side = 2 * hyp['pad'] + 1                                  # offsets 0 .. 2 x pad
-    offset = balanced_choice(n, side * side, hyp['augment_options'], generator)
-    draws = dict(top=offset // side, left=offset % side,
+    crops = 2 * hyp['pad'] + 1                                 # offsets 0 .. 2 x pad, each way
+    offset = balanced_choice(n, crops * crops, hyp['augment_options'], generator)
+    draws = dict(top=offset // crops, left=offset % crops,
                  flip=balanced_choice(n, 2, hyp['augment_options'], generator) == 1)
     if hyp['cutout']:
-        side = 32 - hyp['cutout'] + 1
-        corner = balanced_choice(n, side * side, hyp['augment_options'], generator)
-        draws.update(cutout_top=corner // side, cutout_left=corner % side)
+        corners = 32 - hyp['cutout'] + 1                      # corners 0 .. 32 - cutout, each way
+        corner = balanced_choice(n, corners * corners, hyp['augment_options'], generator)
+        draws.update(cutout_top=corner // corners, cutout_left=corner % corners)
     draws['order'] = torch.randperm(n, generator=generator)
     return draws
 
@@ -175,17 +177,18 @@ def crop(padded, top, left, size):
     each cut with a slice and one index_select: no per-pixel gather, whose indices would take 4
     times the images' memory (and which MPS has computed wrongly)."""
     width = padded.shape[3]
-    offset = top * width + left
-    order = torch.argsort(offset, stable=True)  # the images grouped by offset
-    offsets, counts = torch.unique_consecutive(offset[order], return_counts=True)
+    offsets = top * width + left  # each image's, as one number
+    order = torch.argsort(offsets, stable=True)  # the images grouped by offset
+    groups_offsets, counts = torch.unique_consecutive(offsets[order], return_counts=True)
     index = order.to(padded.device)
     groups, start = [], 0
-    for offset, count in zip(offsets.tolist(), counts.tolist()):
+    for offset, count in zip(groups_offsets.tolist(), counts.tolist()):
         y, x = divmod(offset, width)
         window = padded[:, :, y:y + size, x:x + size]
         groups.append(window.index_select(0, index[start:start + count]))
         start += count
-    return torch.cat(groups).index_select(0, torch.argsort(order).to(padded.device))  # image order
+    inverse = torch.argsort(order).to(padded.device)
+    return torch.cat(groups).index_select(0, inverse)  # back in image order
 
 
 def flip(images, which):
@@ -208,14 +211,15 @@ def augmented_epoch(padded, labels, hyp, generator, rank=0, world=1):
     torchrun every rank draws the same (same seed) and keeps images rank, rank+world, ... of each
     batch: the ghost batch-norm splits (images k, k+s, ...) then hold the images they hold in one
     process at the same global batch size."""
-    cpu_draws = draw_augmentation(len(padded), hyp, generator)
+    cpu_draws = draw_augmentation(len(padded), hyp, generator)  # crop groups them on the CPU
     draws = {k: v.to(padded.device) for k, v in cpu_draws.items()}
     images = flip(crop(padded, cpu_draws['top'], cpu_draws['left'], 32), draws['flip'])
     if hyp['cutout']:
         images = cutout(images, draws['cutout_top'], draws['cutout_left'], hyp['cutout'])
     b = hyp['batch_size']
     steps = len(images) // b  # drop the last partial batch
-    order = draws['order'][:steps * b].view(steps, b // world, world)[:, :, rank].reshape(-1)
+    order = draws['order'][:steps * b].view(steps, b // world, world)
+    order = order[:, :, rank].reshape(-1)  # this rank's: positions rank, rank + world, ... of each
     return images[order], labels[order], steps
 
 
@@ -224,13 +228,13 @@ def augmented_epoch(padded, labels, hyp, generator, rank=0, world=1):
 # =============================================================================================
 def at_least_fp32(dtype):
     """fp32 for fp16 and bf16, the dtype itself for fp32 and wider: the precision of what must
-    keep small differences (batch-norm statistics, the loss, the EMA, the whitening's fold)."""
+    keep small differences (batch-norm statistics, the loss, the EMA, the whitened prep layer)."""
     return torch.promote_types(dtype, torch.float32)
 
 
 def patch_moment(images):
-    """X^T X / (N - 1) over the N 3x3 patches X (27 values each, in (channel, row, col) order),
-    summed in fp32 from shifted views (some MPS builds lack unfold)."""
+    """The uncentred second moment X^T X / (P - 1) of the images' P 3x3 patches X (27 values
+    each, in (channel, row, col) order), summed in fp32 from shifted views."""
     x = images.float()
     n, c, h, w = x.shape
     shifted = [x[:, :, i:i + h - 2, j:j + w - 2] for i in range(3) for j in range(3)]
@@ -243,7 +247,7 @@ def whitening_filters(images, eps):
     eigenvectors of the patches' second moment (not centred, as in Page's code) each divided by
     sqrt(eigenvalue + eps), by decreasing eigenvalue. Whitened patches have (nearly) identity second
     moment, which the network would otherwise spend epochs learning."""
-    moment = patch_moment(images).cpu().double()  # float64 on the CPU: MPS has no float64
+    moment = patch_moment(images).cpu().double()  # eigenvectors in float64, on the CPU
     eigenvalues, eigenvectors = torch.linalg.eigh(moment)  # in ascending order
     eigenvalues, eigenvectors = eigenvalues.flip(0), eigenvectors.T.flip(0)
     filters = eigenvectors / torch.sqrt(eigenvalues + eps)[:, None]
@@ -278,8 +282,9 @@ class GhostBatchNorm(nn.BatchNorm2d):
     """Batch norm with statistics over splits of split_size images, scale frozen at 1: noisier
     statistics, which regularise (Page: 32 images a split). With s splits, split k holds images k,
     k+s, k+2s, ... as in Page's code. Statistics are in fp32; the running ones move by the average
-    of the splits'. Two ways to the same numbers, neither copying an activation: Page's, the splits
-    as the channels of one batch norm, and the splits as a view (compiled, or channels_last).
+    of the splits' (torch's momentum 0.1 and eps 1e-5, as Page's). Two ways to the same numbers,
+    neither copying an activation: Page's, the splits as the channels of one batch norm, and the
+    splits as a view (compiled, or channels_last).
     """
 
     def __init__(self, channels, split_size):
@@ -359,9 +364,8 @@ class ResNet9(nn.Module):
 
     def forward(self, x):
         x = self.layer3(self.layer2(self.layer1(self.prep(x))))
-        # Page's 4x4 max-pool, global here: its backward uses the indices it saved. amax's finds the
-        # maximum again by equality, which compiled half precision (with unrounded fused values)
-        # did not, and so sent NaN to every gradient below.
+        # Page's 4x4 max-pool, global here. Its backward uses the indices it saved; amax's compares
+        # values again, and compiled in half precision it sent NaN to every gradient below.
         return self.head(F.max_pool2d(x, 4).flatten(1)) * self.logit_scale
 
 
@@ -382,7 +386,7 @@ def to_training_precision(model, dtype):
 
 
 # =============================================================================================
-# 4. Training: schedule, optimiser, EMA, what a run builds, one epoch
+# 4. Training: schedule, optimiser, EMA, the networks built once, one epoch
 # =============================================================================================
 def piecewise_linear(x, knots, values):
     """Linear interpolation between (knot, value) points, constant beyond the last knot."""
@@ -405,10 +409,11 @@ class Nesterov:
     Each step's gradient (plus weight decay) is multiplied by that step's learning rate before it
     enters the momentum buffer v:  dw = -lr_t (g + wd w);  v <- m v + dw;  w <- w + dw + m v.
     torch.optim.SGD instead applies the current rate to the whole buffer, which is the same only
-    while the rate is constant; on this schedule its steps are 80 % larger at step 20.
+    while the rate is constant; in this warm-up its steps would be up to 45 % larger (step 10).
     bf16 weights (8-bit mantissa) are updated through fp32 master copies: their weight-decay steps
     are below half a unit in the last place and would round to nothing. fp16 weights are updated
-    in place, as Page did. Each group takes a few fused (foreach) launches per step.
+    in place, as Page did (their masters are the weights themselves). Each group takes a few fused
+    (foreach) launches per step.
     """
 
     def __init__(self, groups, momentum):
@@ -454,7 +459,8 @@ class Nesterov:
 def optimiser(model, hyp):
     """Page's two groups: batch-norm biases take lr x 64 and weight decay / 64.
 
-    Each group's lr_scale turns the schedule's value into its learning rate per summed example.
+    Each group's lr_scale turns the schedule's value into the rate applied to the gradient of the
+    summed loss: lr = schedule x lr_scale.
     """
     trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     biases = [p for name, p in trainable if name.endswith('bias')]
@@ -500,14 +506,15 @@ class Networks:
         self.hyp, self.device, self.dtype = hyp, device, dtype
         layout = torch.channels_last if channels_last else torch.contiguous_format
         self.memory_format = layout
-        self.initial = ResNet9(torch.zeros(27, 3, 3, 3), hyp)  # on the CPU: draws a run's weights
+        # on the CPU, drawing each run's weights; each run puts its own whitening in place of zeros
+        self.initial = ResNet9(torch.zeros(27, 3, 3, 3), hyp)
         self.network = to_training_precision(copy.deepcopy(self.initial), dtype)
         self.network.to(device, memory_format=layout)
-        self.parallel = data_parallel(self.network, device)  # a step's: DDP's wrapper, in torchrun
+        self.parallel = data_parallel(self.network, device)  # a step calls it: DDP's, in torchrun
         self.ema_dtype = at_least_fp32(dtype)  # the EMA is kept, and evaluated, in fp32
         self.ema = copy.deepcopy(self.initial).to(device, self.ema_dtype, memory_format=layout)
         self.ema.eval().requires_grad_(False)
-        self.ema_pairs = ema_tensors(self.ema), ema_tensors(self.network)  # listed once, used often
+        self.averaged_and_trained = ema_tensors(self.ema), ema_tensors(self.network)  # listed once
         norms = [m for m in self.network.modules() if isinstance(m, nn.BatchNorm2d)]
         self.batch_norm_statistics = [t for m in norms for t in (m.running_mean, m.running_var)]
         self.optimiser = optimiser(self.network, hyp)
@@ -549,19 +556,20 @@ def train_epoch(networks, images, labels, epoch, steps, hyp, progress=None):
     EMA is the same on every rank, and the same as one process's.
     """
     knots, values = lr_knots(hyp)
-    batch = rank_share(hyp['batch_size'])  # this rank's images of a step: all, in one process
+    batch = rank_share(hyp['batch_size'])  # this rank's images of a step (all, in one process)
     loss_sum = torch.zeros((), device=images.device)
     correct = torch.zeros((), device=images.device, dtype=torch.long)
     for i in range(steps):
-        lr = piecewise_linear(((epoch - 1) * steps + i + 1) / steps, knots, values)
+        step = (epoch - 1) * steps + i + 1  # counted from 1: at its end, the first lr is not zero
+        lr = piecewise_linear(step / steps, knots, values)
         x, y = images[i * batch:(i + 1) * batch], labels[i * batch:(i + 1) * batch]
         networks.optimiser.zero_grad()  # to None before the forward: the last gradients are freed
         loss, logits = networks.loss(x, y)
-        global_batch_loss(loss).backward()
+        global_batch_loss(loss).backward()  # the loss itself in one process
         networks.optimiser.step(lr)
         if i % hyp['ema_every'] == 0:
-            average_over_ranks(networks.batch_norm_statistics)
-            ema_update(*networks.ema_pairs, hyp['ema_momentum'] ** hyp['ema_every'])
+            average_over_ranks(networks.batch_norm_statistics)  # nothing in one process
+            ema_update(*networks.averaged_and_trained, hyp['ema_momentum'] ** hyp['ema_every'])
         loss_sum += loss.detach()
         correct += (logits.argmax(1) == y).sum()
         if progress:
@@ -608,9 +616,9 @@ def train_run(data, networks, hyp, seed, on_epoch, progress=None, steps_per_epoc
 
     seed fixes the initial weights and every augmentation draw, both drawn on the CPU, so that a
     seed gives the same run on any device, and every rank of a process group the same order. The
-    clock covers everything a lone run does but build the networks: upload, normalisation,
-    padding, whitening, initialising the weights, and the training epochs. It stops for
-    validation, and is read after a device sync at epoch boundaries only.
+    clock covers everything a lone run does but build the networks: upload (the test set's too),
+    normalisation, padding, whitening, initialising the weights, and the training epochs; not the
+    evaluation passes. It is read after a device sync, at epoch boundaries only.
     """
     device, generator = networks.device, torch.Generator().manual_seed(seed)
     start = synced_clock(device)
@@ -655,6 +663,7 @@ def train_run(data, networks, hyp, seed, on_epoch, progress=None, steps_per_epoc
 # =============================================================================================
 # Download and safe loading
 # =============================================================================================
+CLASSES = ('airplane', 'automobile', 'bird', 'cat', 'deer', 'dog', 'frog', 'horse', 'ship', 'truck')
 CIFAR10_URL = 'https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz'
 CIFAR10_MD5 = 'c58f30108f718f92721af3b95e74349a'
 BATCHES_DIR = 'cifar-10-batches-py'
@@ -1180,9 +1189,9 @@ def data_parallel(net, device):
         net, device_ids=[device] if device.type == 'cuda' else None, **{no_forward_sync: False})
 
 
-def rank_share(images):
+def rank_share(batch_size):
     """How many of a step's images this rank trains on (all of them in one process)."""
-    return images // rank_and_world()[1]
+    return batch_size // rank_and_world()[1]
 
 
 def rank_slice(items):
@@ -1370,7 +1379,9 @@ def device_description(device):
                 f'cuDNN {torch.backends.cudnn.version()}')
     if device.type == 'mps':
         return 'Apple MPS'
-    return f'CPU ({platform.machine()}, {torch.get_num_threads()} threads)'
+    isa = os.environ.get('ONEDNN_MAX_CPU_ISA')  # the kernels round differently: part of a job
+    kernels = torch.backends.cpu.get_cpu_capability() + (f', oneDNN up to {isa}' if isa else '')
+    return f'CPU ({platform.machine()}, {kernels} kernels, {torch.get_num_threads()} threads)'
 
 
 def script_hash():
@@ -1604,9 +1615,10 @@ def json_ready(x):
     return None if isinstance(x, float) and not math.isfinite(x) else x
 
 
-def write_results(args, context, runs, summary, ema, hyp):
-    """Write --json, --log-tsv and --save from the runs finished so far, each atomically. Called
-    after every run, so that a crash, a kill or a lost notebook kernel at run 37 keeps runs 1-36."""
+def write_results(args, context, runs, summary, hyp, ema=None, ema_run=None):
+    """Write --json, --log-tsv and --save (ema, the EMA model of run ema_run) from the runs finished
+    so far, each atomically. Called after every run, so that a crash, a kill or a lost notebook
+    kernel at run 37 keeps runs 1-36."""
     if args.json:
         report = dict(context, runs_finished=len(runs), runs_requested=args.runs, runs=runs,
                       summary=summary)
@@ -1621,21 +1633,102 @@ def write_results(args, context, runs, summary, ema, hyp):
         # what it takes to rebuild and evaluate the model, data aside (README: Use a saved model)
         checkpoint = dict(state_dict={k: v.cpu() for k, v in ema.state_dict().items()},
                           hyperparameters=hyp, classes=CLASSES, mean=CIFAR10_MEAN, std=CIFAR10_STD,
-                          run=runs[-1]['run'], seed=runs[-1]['seed'], accuracy=runs[-1]['accuracy'])
+                          run=ema_run['run'], seed=ema_run['seed'], accuracy=ema_run['accuracy'])
         write_atomically(args.save, lambda f: torch.save(checkpoint, f))
 
 
-# What makes a job's runs comparable with another's; --resume refuses to mix runs that differ in
-# any of these, --compare shows which differ and refuses only different test data.
+# A job's identity: what --resume refuses to mix, and what --compare shows where two jobs differ.
+# Every setting that can change a run's numbers is one (on a CPU the device names the kernels and
+# the threads); compile is the one asked for, and each run records whether it trained compiled.
 DATA_KEYS = ('data', 'data_digest', 'test_images')
-JOB_KEYS = ('script_sha256', 'torch', 'hyperparameters', 'dtype', 'device', 'ranks', *DATA_KEYS,
-            'seed')
-RUN_KEYS = {'run', 'seed', 'failed', 'rows', 'accuracy', 'time_s'}
+JOB_KEYS = ('script_sha256', 'torch', 'device', 'ranks', 'dtype', 'fp32_math', 'compile',
+            'channels_last', 'hyperparameters', 'seed', 'train_images', *DATA_KEYS)
+ROW_KEYS = tuple(c.replace(' ', '_') for c in COLUMNS)
+
+
+def job_file_problem(job):
+    """What keeps a parsed --json file from being a whole job of this script, in a few words (None
+    if nothing): its settings, and each of its runs once, in order, with its seed and a row per
+    epoch of numbers, finite unless the run is marked failed."""
+    if not isinstance(job, dict):
+        return 'not a JSON object'
+    types = dict(script_sha256=str, torch=str, device=str, ranks=int, dtype=str,
+                 fp32_math=(str, type(None)), compile=bool, channels_last=bool,
+                 hyperparameters=dict, seed=int, data=str, data_digest=str, train_images=int,
+                 test_images=int, runs_requested=int, runs_finished=int, runs=list, summary=dict)
+    problem = wrong_field(job, types)
+    if problem:
+        return problem
+    epochs = job['hyperparameters'].get('epochs')
+    if not (of_kind(epochs, int) and epochs >= 1):
+        return f'"epochs" is {epochs}'
+    for run in job['runs']:
+        problem = run_problem(run, job['seed'], epochs)
+        if problem:
+            return f"run {run.get('run') if isinstance(run, dict) else '?'}: {problem}"
+    numbers = [run['run'] for run in job['runs']]
+    if numbers != sorted(set(numbers)):
+        return 'its runs repeat one, or are out of order'
+    if job['runs_finished'] != len(numbers):
+        return f"\"runs_finished\" is {job['runs_finished']}, but it holds {len(numbers)} runs"
+    return None
+
+
+def of_kind(value, kind):
+    """isinstance for a value read from JSON, in which true and false are no numbers."""
+    return isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
+
+
+def wrong_field(record, types):
+    """'no "key"' or '"key" is value' for the first field of a JSON object missing or of a wrong
+    type; None if every field is there, of its type."""
+    for key, kind in types.items():
+        if key not in record:
+            return f'no "{key}"'
+        if not of_kind(record[key], kind):
+            return f'"{key}" is {json.dumps(record[key])[:20]}'
+    return None
+
+
+def run_problem(run, seed, epochs):
+    """What is wrong with one run's record (see job_file_problem), or None."""
+    if not isinstance(run, dict):
+        return 'not a JSON object'
+    number, maybe = (int, float), (int, float, type(None))
+    problem = wrong_field(run, dict(run=int, seed=int, failed=bool, compiled=bool, rows=list,
+                                    accuracy=maybe, time_s=maybe))
+    if problem:
+        return problem
+    if run['run'] < 1 or run['seed'] != seed + run['run'] - 1:
+        return f"seed {run['seed']}, where run {run['run']} of a job from seed {seed} has its own"
+    rows = run['rows']
+    if not 1 <= len(rows) <= epochs:
+        return f'{len(rows)} rows for {epochs} epochs'
+    for epoch, row in enumerate(rows, 1):
+        if not (isinstance(row, dict) and tuple(row) == ROW_KEYS and row['epoch'] == epoch):
+            return f'row {epoch} is not the row of epoch {epoch}'
+        if not all(of_kind(v, maybe) for v in row.values()):
+            return f'row {epoch} holds something that is not a number'
+    if run['failed']:
+        last = rows[-1]
+        diverged = len(rows) < epochs or last['valid_loss'] is None or last['train_loss'] is None
+        return None if diverged else 'marked failed, but its loss never became NaN'
+    if len(rows) < epochs:
+        return f'{len(rows)} rows for {epochs} epochs, and not marked failed'
+    values = [row[k] for row in rows for k in ROW_KEYS] + [run['accuracy'], run['time_s']]
+    if not all(of_kind(v, number) and math.isfinite(v) for v in values):
+        return 'a value is missing or not finite, and the run is not marked failed'
+    if run['accuracy'] != rows[-1]['valid_acc'] or run['time_s'] != rows[-1]['total_time']:
+        return "its accuracy or time is not its last row's"
+    return None
 
 
 def read_job(path, option):
-    """The --json file of a job of this script, read (never written); else a one-line UserError."""
+    """The --json file of a job of this script, read (never written) and checked whole; anything
+    else is a one-line UserError, and the file is left as it is."""
     path = Path(path)
+    if path.is_dir():
+        raise UserError(f'{option} {path} is a folder: give the --json file of a job')
     try:
         text = path.read_text()
     except FileNotFoundError:
@@ -1649,30 +1742,79 @@ def read_job(path, option):
         raise UserError(f'{option} {path} is not whole JSON ({e.msg} at line {e.lineno} of '
                         f'{text.count(chr(10)) + 1}): cut short, or not a --json file; left as it '
                         'is') from None
-    runs = job.get('runs') if isinstance(job, dict) else None
-    if not (isinstance(runs, list) and set(JOB_KEYS) <= job.keys()
-            and isinstance(job['hyperparameters'], dict)
-            and all(isinstance(r, dict) and RUN_KEYS <= r.keys() and isinstance(r['rows'], list)
-                    for r in runs)):
+    problem = job_file_problem(job)
+    if problem:
         raise UserError(f'{option} {path} is not a --json file of this version of '
-                        'train_cifar10.py; left as it is')
-    for run in runs:  # JSON has no NaN: json_ready wrote a diverged run's NaNs as nulls
+                        f'train_cifar10.py ({problem}); left as it is')
+    for run in job['runs']:  # JSON has no NaN: json_ready wrote a diverged run's NaNs as nulls
         run['accuracy'] = math.nan if run['accuracy'] is None else run['accuracy']
         run['rows'] = [{k: math.nan if v is None else v for k, v in row.items()}
                        for row in run['rows']]
     return job
 
 
+def check_new_job_file(path):
+    """A new job's --json file must not exist: what it holds may be hours of runs."""
+    path = Path(path)
+    if not path.exists():
+        return
+    try:
+        job = read_job(path, '--json')
+    except UserError:
+        raise UserError(f'--json {path} exists and is not the file of a job: give another path, '
+                        'or delete it') from None
+    raise UserError(f"--json {path} already holds a job, {len(job['runs'])} of "
+                    f"{job['runs_requested']} runs: go on with --resume {path}, or give another "
+                    'path (or delete it to start over)')
+
+
+def hold_job_file(path):
+    """Make this process the one writer of the job file at path, until release_job_file: a lock
+    file beside it, hidden, held with the system's flock (which the system releases when the
+    process ends, however it ends) and holding the process id, which a second job is told. None
+    where the system has no flock (Windows)."""
+    try:
+        import fcntl
+    except ImportError:
+        return None
+    lock_path = Path(path).with_name(f'.{Path(path).name}.lock')
+    while True:
+        lock = open(lock_path, 'a+')
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            lock.seek(0)
+            holder = lock.read().strip() or 'unknown'
+            lock.close()
+            raise UserError(f'{path} is the file of a job that another process (id {holder}) is '
+                            'running: wait for it to end, or give another path') from None
+        if lock_path.exists() and lock_path.stat().st_ino == os.fstat(lock.fileno()).st_ino:
+            break
+        lock.close()  # its last holder removed it while we opened it: take the new one
+    lock.seek(0)
+    lock.truncate()
+    lock.write(f'{os.getpid()}\n')
+    lock.flush()
+    return lock
+
+
+def release_job_file(lock):
+    """Remove the lock file, then let go of it: a job that opened it meanwhile sees it gone."""
+    if lock:
+        os.unlink(lock.name)
+        lock.close()
+
+
 def job_differences(a, b, keys=JOB_KEYS):
     """'name (in a -> in b)' for each setting in which two jobs differ, hyperparameters singly."""
     def short(v):
-        return str(v) if len(str(v)) <= 40 else str(v)[:37] + '...'
+        return 'unset' if v is None else str(v) if len(str(v)) <= 40 else str(v)[:37] + '...'
     a, b = json_ready(a), json_ready(b)  # tuples as lists, as a JSON file holds them
     differences = []
     for key in keys:
         if key == 'hyperparameters':
             ha, hb = a[key], b[key]
-            names = list(ha) + [k for k in hb if k not in ha]
+            names = [k for k in list(ha) + [k for k in hb if k not in ha] if k not in keys]
             differences += [f'{k} ({short(ha.get(k))} -> {short(hb.get(k))})'
                             for k in names if ha.get(k) != hb.get(k)]
         elif a.get(key) != b.get(key):
@@ -1682,34 +1824,45 @@ def job_differences(a, b, keys=JOB_KEYS):
 
 def resumed_runs(job, path, context, runs_requested):
     """The recorded runs (finished or failed) of the job read from path, which must be this job:
-    the same settings, on the same kind of device, data and number of ranks, with at most
-    runs_requested runs."""
+    the same settings, on the same kind of device, data and number of ranks, with no run beyond
+    runs_requested."""
     differences = job_differences(job, context)
     if differences:
         raise UserError(f"--resume {path}: that job differs from this one in "
                         f"{', '.join(differences)} (that job -> this one); resume it with its own "
                         'options, on its kind of device')
     runs = job['runs']
-    if len(runs) > runs_requested:
-        raise UserError(f'--resume {path} holds {len(runs)} runs, more than --runs '
+    if runs and runs[-1]['run'] > runs_requested:
+        raise UserError(f"--resume {path} holds runs up to {runs[-1]['run']}, more than --runs "
                         f'{runs_requested}')
-    expected = [(i + 1, context['seed'] + i) for i in range(len(runs))]
-    if [(r['run'], r['seed']) for r in runs] != expected:
-        raise UserError(f'--resume {path}: its runs are not runs 1-{len(runs)} with seeds from '
-                        f'{context["seed"]}')
     return runs
 
 
-def span(first, last):
-    """'run 3' or 'runs 3-7'."""
-    return f'run {first}' if first == last else f'runs {first}-{last}'
+def spans(numbers):
+    """'run 3', 'runs 3-7' or 'runs 1-3, 5': run numbers, sorted, in ranges."""
+    ranges = []
+    for n in sorted(numbers):
+        if ranges and ranges[-1][1] == n - 1:
+            ranges[-1][1] = n
+        else:
+            ranges.append([n, n])
+    text = ', '.join(f'{a}' if a == b else f'{a}-{b}' for a, b in ranges)
+    return f"run{'s' if len(numbers) > 1 else ''} {text}"
+
+
+def missing_runs(runs, runs_requested):
+    """The numbers of the runs of 1..runs_requested that runs does not hold."""
+    done = {run['run'] for run in runs}
+    return [n for n in range(1, runs_requested + 1) if n not in done]
 
 
 def read_back_lines(runs, path, runs_requested):
     """What --resume prints of the runs it read back: which they are, then their tables."""
-    lines = [f'\n--resume {path}: {span(1, len(runs))} read back, tables below; ' +
-             (f'{span(len(runs) + 1, runs_requested)} to run now' if len(runs) < runs_requested else
-              'every run has finished: nothing to train')]
+    missing = missing_runs(runs, runs_requested)
+    to_run = (f'{spans(missing)} to run now' if missing else
+              'every run has finished: nothing to train')
+    done = spans([r['run'] for r in runs])
+    lines = [f'\n--resume {path}: {done} read back, tables below; {to_run}']
     for run in runs:
         lines += [f"\nrun {run['run']}/{runs_requested} (seed {run['seed']}), read back from "
                   f'{path}', table_line(COLUMNS), *[table_row(row) for row in run['rows']]]
@@ -1729,13 +1882,20 @@ def compare_lines(path_a, path_b):
                             f'{a[key]} -> {b[key]}); their accuracies are not comparable')
     acc, lines = {}, []
     for side, path, job in (('A', path_a, a), ('B', path_b, b)):
-        acc[side] = np.array([r['accuracy'] for r in job['runs'] if not r['failed']])
-        failed = len(job['runs']) - len(acc[side])
+        runs = job['runs']
+        acc[side] = np.array([r['accuracy'] for r in runs if not r['failed']])
         if len(acc[side]) < 2:
             raise UserError(f'--compare: {path} has {len(acc[side])} finished run(s); a comparison '
                             'needs at least 2 a side (the spread of one run is unknown)')
-        left_out = f' ({failed} failed, left out)' if failed else ''
-        lines.append(f'{side}  {path}: {len(acc[side])} runs{left_out}, final accuracy (flip-TTA, '
+        failed = len(runs) - len(acc[side])
+        notes = [f'{failed} failed, left out'] if failed else []
+        if len(runs) < job['runs_requested']:
+            notes.append(f"unfinished: {len(runs)} of {job['runs_requested']} runs")
+        eager = sum(not r['compiled'] for r in runs)
+        if job['compile'] and eager:
+            notes.append(f'{eager} trained eager, its compilation having failed')
+        notes = f" ({'; '.join(notes)})" if notes else ''
+        lines.append(f'{side}  {path}: {len(acc[side])} runs{notes}, final accuracy (flip-TTA, '
                      f'EMA) mean {100 * acc[side].mean():.2f} %, standard deviation '
                      f'{100 * acc[side].std(ddof=1):.2f} %')
     differences = job_differences(a, b, [k for k in JOB_KEYS if k != 'seed'])
@@ -1845,19 +2005,23 @@ def check_options(args, hyp, world):
         raise UserError(f'--gpu-price must not be negative, not {args.gpu_price}')
     if args.peak_tflops is not None and args.peak_tflops <= 0:
         raise UserError(f'--peak-tflops must be positive, not {args.peak_tflops}')
-    for option in ('json', 'log_tsv', 'save'):  # 50 runs must not end in a FileNotFoundError
-        path = getattr(args, option) and Path(getattr(args, option))
-        flag = '--' + option.replace('_', '-')
-        if path and path.is_dir():
+    outputs = {'--json' if args.json else '--resume': args.json or args.resume,  # both written
+               '--log-tsv': args.log_tsv, '--save': args.save}
+    outputs = {flag: Path(path) for flag, path in outputs.items() if path}
+    for flag, path in outputs.items():  # 50 runs must not end in a FileNotFoundError
+        if path.is_dir():
             raise UserError(f'{flag} {path} is a folder: give a file name')
-        if path and not path.parent.is_dir():
+        if not path.parent.is_dir():
             raise UserError(f'{flag} {path}: the folder {path.parent} does not exist')
         try:
-            if path:
-                tempfile.TemporaryFile(dir=path.parent).close()
+            tempfile.TemporaryFile(dir=path.parent).close()
         except OSError as e:
             raise UserError(f'{flag} {path}: cannot write in {path.parent} ({e.strerror})') \
                 from None
+        same = [other for other in outputs
+                if other != flag and outputs[other].resolve() == path.resolve()]
+        if same:
+            raise UserError(f'{flag} {path} is also the file of {same[0]}: give each its own')
 
 
 def prepare_data(args, hyp, local_rank, world):
@@ -1889,14 +2053,20 @@ class Job:
                     'epochs': args.epochs, 'batch_size': args.batch_size, 'cutout': args.cutout}
         self.rank, self.local_rank, self.world = torchrun_ranks()
         self.log = print if self.rank == 0 else (lambda *_, **__: None)
-        self.runs, self.read_back, self.device, self.networks = [], [], None, None
+        self.runs, self.read_back, self.device, self.networks, self.lock = [], [], None, None, None
 
     def set_up(self):
         """Check the options, choose the device and dtype, load the data, read back a resumed job:
         all that can be wrong is found here, before any training, and raised as a UserError."""
         args, hyp = self.args, self.hyp
-        args.json = args.json or args.resume  # a resumed job goes on writing its own file
         check_options(args, hyp, self.world)
+        if args.json and args.resume and Path(args.json).resolve() != Path(args.resume).resolve():
+            check_new_job_file(args.json)  # --resume A --json B: the whole job goes to B
+        elif args.json and not args.resume:
+            check_new_job_file(args.json)
+        args.json = args.json or args.resume  # a resumed job goes on writing its own file
+        if args.json and self.rank == 0:
+            self.lock = hold_job_file(args.json)  # one writer: a second job on it is refused
         job = read_job(args.resume, '--resume') if args.resume else None  # refused before any work
         self.device = pick_device(args.device, self.local_rank if self.world > 1 else None)
         self.compiled, self.channels_last = speed_settings(args, self.device)
@@ -1910,10 +2080,11 @@ class Job:
         self.context = dict(
             script_sha256=script_hash(), torch=torch.__version__,
             device=device_description(self.device), ranks=self.world, dtype=str(self.dtype),
-            fp32_math=self.fp32_math, hyperparameters=hyp,
-            seed=args.seed, data=data['provenance'], data_digest=data['digest'],
+            fp32_math=self.fp32_math, compile=self.compiled, channels_last=self.channels_last,
+            hyperparameters=hyp, seed=args.seed, data=data['provenance'],
+            data_digest=data['digest'],
             train_images=len(data['train_images']), test_images=len(data['test_images']),
-            channels_last=self.channels_last, flops=self.flops, peak_tflops=self.peak)
+            flops=self.flops, peak_tflops=self.peak)
         self.read_back = resumed_runs(job, args.resume, self.context, args.runs) if job else []
 
     def train(self):
@@ -1935,11 +2106,10 @@ class Job:
             self.networks, self.compiled = compiled_warm_up(
                 self.data, hyp, self.device, self.dtype, self.compiled, self.channels_last,
                 self.progress.of('warm-up', 1), log)
-            self.context['compiled'] = self.compiled
             self.progress.clear()
         if self.device.type == 'cuda':
             torch.cuda.reset_peak_memory_stats(self.device)  # the runs', not the warm-up's
-        for run in range(len(self.runs) + 1, args.runs + 1):
+        for run in missing_runs(self.runs, args.runs):
             self.train_one(run)
 
     def train_one(self, run):
@@ -1957,11 +2127,12 @@ class Job:
         failed = len(rows) < hyp['epochs'] or not math.isfinite(rows[-1]['valid_loss'])
         if failed:
             self.log(f'run {run} FAILED: the loss became NaN in epoch {len(rows)}')
-        self.runs.append(dict(run=run, seed=seed, failed=failed, rows=rows,
-                              accuracy=rows[-1]['valid_acc'], time_s=rows[-1]['total_time']))
+        record = dict(run=run, seed=seed, failed=failed, compiled=self.compiled, rows=rows,
+                      accuracy=rows[-1]['valid_acc'], time_s=rows[-1]['total_time'])
+        self.runs = sorted(self.runs + [record], key=lambda r: r['run'])
         if self.rank == 0:
             ema = None if failed else self.networks.ema
-            write_results(args, self.context, self.runs, self.summary(), ema, hyp)
+            write_results(args, self.context, self.runs, self.summary(), hyp, ema, record)
 
     def summary(self):
         """The summary of the finished runs, with how many were read back by --resume, and on CUDA
@@ -2007,6 +2178,9 @@ def main(argv=None):
         return e.code
     if args.compare:
         try:
+            beside = [a.split('=')[0] for a in argv if a.startswith('-') and a != '--compare']
+            if beside:
+                raise UserError(f"--compare trains nothing: {', '.join(beside)} would not be used")
             print('\n'.join(compare_lines(*args.compare)))
             return 0
         except UserError as e:
@@ -2025,6 +2199,7 @@ def main(argv=None):
     finally:
         job.networks = None  # its DistributedDataParallel model holds the process group
         leave_process_group()
+        release_job_file(job.lock)
     return job.finish()
 
 
