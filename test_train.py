@@ -362,7 +362,7 @@ def test_conversion_keeps_batch_norm_in_fp32_and_the_rest_in_half():
             assert {t.dtype for t in (module.weight, module.bias, module.running_mean, module.running_var)} == {torch.float32}
         elif isinstance(module, (T.WhitenedPrep, torch.nn.Conv2d, torch.nn.Linear)):
             assert module.weight.dtype == torch.float16
-    assert model.prep[0].whitening.dtype == torch.float16
+    assert model.prep[0].whitening.dtype == torch.float32                 # fixed filters, folded in fp32
     out = model(torch.randn(64, 3, 32, 32, dtype=torch.float16))
     assert out.dtype == torch.float16 and out.shape == (64, 10)
 
@@ -1699,7 +1699,9 @@ for epoch in range(3):                            # a learnable task: 3 epochs o
 losses.append(T.summed_loss(networks.network, x, y, hyp['label_smoothing'])[0].item() / 64)
 test = T.normalise(data['test_images'], cpu, networks.ema_dtype).contiguous(memory_format=torch.channels_last)
 evaluation = T.evaluate(networks, test, torch.from_numpy(data['test_labels']), hyp)
+whitening_kept = torch.equal(networks.ema.prep[0].whitening, networks.network.prep[0].whitening)
 torch.save(dict(disagreement=disagreement, compiled=compiled, eager=eager, losses=losses, evaluation=evaluation,
+                whitening_kept=whitening_kept,
                 net={{n: t.dtype for n, t in networks.network.state_dict().items()}},
                 ema={{n: t.dtype for n, t in networks.ema.state_dict().items()}}), {out!r} + '/run.pt')
 """
@@ -1773,10 +1775,10 @@ def test_the_gpu_default_compiled_half_precision_trains_as_eager(compiled_runs, 
         assert F.cosine_similarity(compiled.double().flatten(), eager.double().flatten(), dim=0) > 0.8, name
     batch_norms = {name.rsplit('.', 1)[0] for name in run['net'] if name.endswith('.running_mean')}
     for name, t in run['net'].items():                            # weights, buffers, BN statistics
-        wide = name.rsplit('.', 1)[0] in batch_norms
+        wide = name.rsplit('.', 1)[0] in batch_norms or name == 'prep.0.whitening'
         if not name.endswith('num_batches_tracked'):
             assert t == (torch.float32 if wide else getattr(torch, dtype)), name
-    assert set(run['ema'].values()) == {torch.float32, torch.int64}
+    assert set(run['ema'].values()) == {torch.float32, torch.int64} and run['whitening_kept']
     assert [t.dtype for t in run['evaluation']] == [torch.float32, torch.int64]    # summed loss, correct count
     before, after = run['losses']                                # the batch's mean loss
     assert torch.isfinite(run['evaluation'][0]) and after < 0.8 * before

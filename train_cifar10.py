@@ -376,12 +376,16 @@ def flip_tta_logits(model, images):
 
 
 def to_training_precision(model, dtype):
-    """Convert the network to dtype but keep batch norm (parameters and statistics) in fp32 (or
-    wider): half-precision statistics lose the small differences that normalisation divides by."""
+    """Convert the network to dtype, but keep in fp32 (or wider) batch norm's parameters and
+    statistics, which hold the small differences that normalisation divides by, and the fixed
+    whitening filters, which the prep layer folds in fp32 (rounded, they would be other filters,
+    and the fp32 EMA's copy would drift to them)."""
     model.to(dtype)
     for module in model.modules():
         if isinstance(module, nn.BatchNorm2d):
             module.to(at_least_fp32(dtype))
+        elif isinstance(module, WhitenedPrep):
+            module.whitening = module.whitening.to(at_least_fp32(dtype))
     return model
 
 
