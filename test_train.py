@@ -16,11 +16,13 @@ import os
 import pickle
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
 import tempfile
 import threading
+import time
 import types
 import warnings
 from functools import partial
@@ -1889,7 +1891,7 @@ sys.path.insert(0, {repo!r})
 import train_cifar10 as T
 {helpers}
 rank, _, world = T.torchrun_ranks()
-dist.init_process_group('gloo')
+T.join_process_group(torch.device('cpu'))         # the ranks split each batch
 def compile(function, **options):                # rank 0 "compiles" at once; rank 1's compiler fails
     if rank == 0:
         return function
@@ -1906,7 +1908,8 @@ networks, compiled = T.compiled_warm_up(data, hyp, cpu, torch.float32, True, Tru
 T.train_run(data, networks, hyp, 0, lambda row: None)
 print(f'rank {{rank}} compiled={{compiled}}', flush=True)
 torch.save(networks.ema.state_dict(), f'{out}/ema_{{rank}}.pt')
-dist.destroy_process_group()
+networks = None
+T.leave_process_group()
 """
 
 
@@ -2100,6 +2103,150 @@ def test_ranks_take_interleaved_shares_of_one_shuffled_order():
     whole = whole[:, 0, 0, 0].long().view(steps, batch)
     for rank in range(4):                                        # rank r: images r, r+4, ... of each batch
         assert torch.equal(shares[rank], whole[:, rank::4])
+
+
+# ---------------------------------------------------------------------------------------------
+# Whole runs spread over the ranks (--spread runs)
+# ---------------------------------------------------------------------------------------------
+SPREAD = ['--tiny', '--epochs', '1', '--runs', '4']
+
+
+def spread_job(dataset, folder, *args, nproc=2, wait=True):
+    """torchrun's ranks training whole runs of a 4-run --tiny job of one epoch, writing into folder
+    (--json, --log-tsv, --save); the finished process, or the started one if not wait."""
+    command = [sys.executable, '-m', 'torch.distributed.run', '--standalone', f'--nproc_per_node={nproc}',
+               str(SCRIPT), *SPREAD, '--spread', 'runs', '--data-dir', str(dataset), '--log-tsv',
+               str(folder / 'r.tsv'), '--save', str(folder / 'ema.pt'), *map(str, args)]
+    if wait:
+        return subprocess.run(command, capture_output=True, text=True, timeout=300)
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.fixture(scope='module')
+def one_process_job(dataset, tmp_path_factory):
+    """The same job in one process, one thread (as torchrun gives each rank): the runs to expect."""
+    path = tmp_path_factory.mktemp('one') / 'r.json'
+    result = subprocess.run([sys.executable, str(SCRIPT), *SPREAD, '--data-dir', str(dataset), '--json', str(path)],
+                            capture_output=True, text=True, timeout=300, env={**os.environ, 'OMP_NUM_THREADS': '1'})
+    assert result.returncode == 0, result.stderr
+    return json.loads(path.read_text()), result.stdout
+
+
+def test_spread_runs_train_the_runs_of_one_process_and_rank_0_writes_them_in_order(dataset, tmp_path,
+                                                                                 one_process_job):
+    """Rank r trains runs r+1, r+1+N, ...: every run's record is the one-process job's, but for the
+    clocks; the tables come in run order, once; the files are whole."""
+    result = spread_job(dataset, tmp_path, '--json', tmp_path / 'r.json')
+    assert result.returncode == 0, result.stderr
+    job, one = T.read_job(tmp_path / 'r.json', '--json'), one_process_job[0]
+    assert [without_times(r) for r in job['runs']] == [without_times(r) for r in one['runs']]
+    assert {k: v for k, v in job.items() if k not in ('runs', 'summary')} == \
+        {k: v for k, v in one.items() if k not in ('runs', 'summary')}      # the same job, ranks 1
+    titles = [line for line in result.stdout.splitlines() if line.startswith('run ') and ' (seed ' in line]
+    assert titles == [f'run {k}/4 (seed {k - 1})' for k in range(1, 5)]
+    assert '2 ranks (gloo), each training whole runs' in result.stdout
+    assert re.search(r'job: 4 runs in [\d.]+ s of wall time after the warm-up over 2 ranks, \d+ runs an hour',
+                     result.stdout)
+    assert len((tmp_path / 'r.tsv').read_text().splitlines()) == 1 + 4
+    assert torch.load(tmp_path / 'ema.pt')['run'] == 3                       # rank 0's last: runs 1, 3
+    assert not list(tmp_path.glob('.*'))                                     # no lock, no part left
+
+
+def rank_process(parent, rank):
+    """The pid of torchrun's worker of that rank, found in /proc by its parent and RANK."""
+    for child in Path('/proc').iterdir():
+        try:
+            stat = (child / 'stat').read_text()
+            environ = (child / 'environ').read_bytes().split(b'\0')
+        except (OSError, ValueError):
+            continue
+        if child.name.isdigit() and int(stat.rsplit(')', 1)[1].split()[1]) == parent and f'RANK={rank}'.encode() in environ:
+            return int(child.name)
+    return None
+
+
+@pytest.mark.skipif(not Path('/proc/self/environ').exists(), reason='finds the rank to kill in /proc')
+def test_a_spread_job_that_loses_a_rank_resumes_with_one_rank_or_two(dataset, tmp_path, one_process_job):
+    """SIGKILL to rank 1 once run 1 is on disk: torchrun stops the job, what was finished stays, and
+    the job resumes, in one process or on 2 ranks, to the uninterrupted job's runs."""
+    path = tmp_path / 'r.json'
+    job = spread_job(dataset, tmp_path, '--json', path, wait=False)
+    try:
+        deadline = time.time() + 240
+        while not (path.exists() and json.loads(path.read_text())['runs']) and time.time() < deadline:
+            time.sleep(0.2)
+        os.kill(rank_process(job.pid, 1), signal.SIGKILL)
+        job.communicate(timeout=120)
+    finally:
+        job.kill()
+        job.wait(timeout=60)
+    assert job.returncode != 0
+    kept = T.read_job(path, '--json')['runs']
+    assert 1 <= len(kept) < 4
+    expected = [without_times(r) for r in one_process_job[0]['runs']]
+    assert [without_times(r) for r in kept] == [e for e in expected if e['run'] in {r['run'] for r in kept}]
+    for ranks in (1, 2):
+        copy = tmp_path / f'resumed_{ranks}.json'
+        copy.write_bytes(path.read_bytes())
+        if ranks == 1:
+            resumed = subprocess.run([sys.executable, str(SCRIPT), *SPREAD, '--spread', 'runs', '--data-dir',
+                                      str(dataset), '--resume', str(copy)], capture_output=True, text=True,
+                                     timeout=300, env={**os.environ, 'OMP_NUM_THREADS': '1'})
+        else:
+            resumed = spread_job(dataset, tmp_path, '--resume', copy)
+        assert resumed.returncode == 0, resumed.stderr
+        assert [without_times(r) for r in T.read_job(copy, '--json')['runs']] == expected
+
+
+SPREAD_RANK_1_FAILS = """
+import sys
+sys.path.insert(0, {repo!r})
+import train_cifar10 as T
+rank, _, _ = T.torchrun_ranks()
+real = T.train_run
+def train_run(data, networks, hyp, seed, *args, **kwargs):
+    if rank == 1 and seed == 3:                    # rank 1's second run, run 4
+        raise RuntimeError('rank 1 fails in run 4')
+    return real(data, networks, hyp, seed, *args, **kwargs)
+T.train_run = train_run
+sys.exit(T.main())
+"""
+
+
+def test_a_rank_that_fails_stops_the_spread_job_and_what_finished_is_kept(dataset, tmp_path):
+    worker = tmp_path / 'worker.py'
+    worker.write_text(SPREAD_RANK_1_FAILS.format(repo=str(SCRIPT.parent)))
+    result = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
+                             str(worker), *SPREAD, '--spread', 'runs', '--data-dir', str(dataset),
+                             '--json', str(tmp_path / 'r.json')], capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0 and 'RuntimeError: rank 1 fails in run 4' in result.stderr
+    runs = [r['run'] for r in T.read_job(tmp_path / 'r.json', '--json')['runs']]
+    assert 2 in runs and 4 not in runs                                       # rank 1's first run was sent
+
+
+def test_ctrl_c_stops_every_rank_of_a_spread_job_with_its_runs_on_disk(dataset, tmp_path):
+    path = tmp_path / 'r.json'
+    job = spread_job(dataset, tmp_path, '--json', path, '--runs', '40', wait=False)
+    try:
+        deadline = time.time() + 240
+        while not (path.exists() and json.loads(path.read_text())['runs']) and time.time() < deadline:
+            time.sleep(0.2)
+        job.send_signal(signal.SIGINT)
+        out, err = job.communicate(timeout=120)
+    finally:
+        job.kill()
+        job.wait(timeout=60)
+    assert 'interrupted: summary of the' in out and 'Traceback (most recent call last)' not in out
+    runs = T.read_job(path, '--json')['runs']
+    assert 1 <= len(runs) < 40 and f'runs: {len(runs)} finished' in out
+
+
+def test_ranks_without_a_run_end_cleanly(dataset, tmp_path):
+    """--runs 1 on 2 ranks: rank 1 has nothing to train and ends with status 0."""
+    result = spread_job(dataset, tmp_path, '--json', tmp_path / 'r.json', '--runs', '1')
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count('run 1/1 (seed 0)') == 1 and 'runs: 1 finished' in result.stdout
+    assert len(T.read_job(tmp_path / 'r.json', '--json')['runs']) == 1
 
 
 # ---------------------------------------------------------------------------------------------

@@ -5,7 +5,7 @@
     python train_cifar10.py --epochs 10 --runs 50 --resume a.json # the same job, resumed
     python train_cifar10.py --epochs 10 --runs 50 --cutout 8 --json b.json   # a variant
     python train_cifar10.py --compare a.json b.json               # is the variant better?
-    torchrun --nproc_per_node=8 train_cifar10.py                  # data-parallel over 8 GPUs
+    torchrun --nproc_per_node=8 train_cifar10.py --runs 800 --spread runs   # 8 GPUs, whole runs
 
 This is the final recipe of David Page's series "How to train your ResNet" (Myrtle.ai, 2018-19),
 which reached 94.1% mean test accuracy in 10 epochs (26 s on one V100) and topped DAWNBench:
@@ -15,10 +15,9 @@ on a piecewise-linear schedule, an exponential moving average (EMA) of the weigh
 left-right flip test-time augmentation (TTA). Data loading, preprocessing and augmentation run on
 the training device over whole batches, so the GPU never waits for a Python loop.
 
-Read it top to bottom: the hyperparameters, then the recipe in the order a run uses it (the data
-as arrays, preprocessing and augmentation, the network, training, evaluation, one run). Below one
-banner comes the harness, which changes no number: download, devices, compilation, torchrun,
-timing, reporting, statistics, job files, the command line. Depends on torch and numpy only.
+Read it top to bottom: the hyperparameters, the recipe in the order a run uses it (data, augment,
+network, train, evaluate, one run), then below a banner the harness, which changes no number
+(download, devices, compilation, torchrun, timing, reports, job files). torch and numpy only.
 
 Evidence (README.md has the tables): no GPU has timed this version yet. On 2 x86_64 CPU cores,
 torch 2.13.0+cpu, one 10-epoch run (run_log.txt) reached 90.82 % on a JPEG-derived stand-in for
@@ -39,6 +38,7 @@ import pickle
 import platform
 import re
 import shutil
+import signal
 import sys
 import tarfile
 import tempfile
@@ -994,7 +994,7 @@ def compiled_warm_up(data, hyp, device, dtype, compiled, channels_last, progress
     collectives for ever."""
     networks = Networks(hyp, device, dtype, compiled, channels_last)
     if compiled:
-        rank, world = rank_and_world()
+        rank, _, world = torchrun_ranks()
         start, error, disagreement = time.perf_counter(), None, None
         try:
             disagreement = compile_passes(networks, data, hyp, device)
@@ -1025,7 +1025,7 @@ def compile_passes(networks, data, hyp, device):
     x = normalise(data['train_images'][:b], device, networks.dtype)
     x = x.contiguous(memory_format=networks.memory_format)
     y = torch.from_numpy(data['train_labels'][:b]).to(device)
-    with networks.parallel.no_sync() if dist.is_initialized() else contextlib.nullcontext():
+    with networks.parallel.no_sync() if SPLIT_BATCHES else contextlib.nullcontext():
         disagreement = compiled_step_disagreement(networks, x, y, hyp)
     networks.optimiser.zero_grad()
     batches = test_set(data, networks, hyp)[0].split(hyp['eval_batch_size'])
@@ -1142,8 +1142,13 @@ def inductor_cache():
 
 
 # =============================================================================================
-# torchrun: one rank of a process group. Each helper does nothing in one process.
+# torchrun: one rank of a process group. Two ways to use the ranks: each batch split over them
+# (data parallel, the default), or whole runs spread over them (--spread runs). The helpers that
+# split a batch do nothing in one process, nor when whole runs are spread.
 # =============================================================================================
+SPLIT_BATCHES = False  # set by join_process_group: are the ranks splitting each batch?
+
+
 def torchrun_ranks():
     """(rank, local rank, world size) as torchrun sets them; (0, 0, 1) for a plain process."""
     return tuple(int(os.environ.get(name, default)) for name, default in
@@ -1151,17 +1156,20 @@ def torchrun_ranks():
 
 
 def rank_and_world():
-    """This process's rank and the number of ranks: (0, 1) outside a process group."""
-    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    """This process's rank and the number of ranks a batch is split over: (0, 1) in one process,
+    and when each rank trains whole runs."""
+    return (dist.get_rank(), dist.get_world_size()) if SPLIT_BATCHES else (0, 1)
 
 
-def join_process_group(device):
+def join_process_group(device, split_batches=True):
     """Join the ranks torchrun started: NCCL between GPUs, gloo between CPU processes."""
+    global SPLIT_BATCHES
     import torch.distributed.nn  # noqa: F401  now, not later: see leave_process_group
     if device.type == 'cuda':
         torch.cuda.set_device(device)
     dist.init_process_group('nccl' if device.type == 'cuda' else 'gloo',
                             device_id=device if device.type == 'cuda' else None)
+    SPLIT_BATCHES = split_batches
 
 
 def leave_process_group():
@@ -1176,16 +1184,19 @@ def leave_process_group():
     for good. torch lets go of the GIL while it joins them (2.8 and later; 2.6 and 2.7 deadlock here
     in the tests).
     """
+    global SPLIT_BATCHES
     if dist.is_initialized():
         dist.destroy_process_group()
+    SPLIT_BATCHES = False
 
 
 def data_parallel(net, device):
-    """net wrapped in DistributedDataParallel under torchrun (net itself in one process): it copies
-    rank 0's weights and buffers to every rank, then averages the gradients. It must not also copy
-    rank 0's batch-norm statistics at every forward, since train_epoch averages them over the
-    ranks; torch >= 2.13 calls that option forward_sync_buffers, older torch broadcast_buffers."""
-    if not dist.is_initialized():
+    """net wrapped in DistributedDataParallel when the ranks split each batch (else net itself): it
+    copies rank 0's weights and buffers to every rank, then averages the gradients. It must not
+    also copy rank 0's batch-norm statistics at every forward, since train_epoch averages them over
+    the ranks (torch >= 2.13 calls that option forward_sync_buffers, older torch
+    broadcast_buffers)."""
+    if not SPLIT_BATCHES:
         return net
     options = inspect.signature(nn.parallel.DistributedDataParallel).parameters
     no_forward_sync = next(o for o in ('forward_sync_buffers', 'broadcast_buffers') if o in options)
@@ -1208,13 +1219,13 @@ def global_batch_loss(loss):
     """The loss to differentiate: DistributedDataParallel averages the gradients over the ranks, so
     each rank's summed loss is scaled by their number, which makes the update that of the loss
     summed over the global batch; in one process, the loss itself."""
-    return loss * dist.get_world_size() if dist.is_initialized() else loss
+    return loss * dist.get_world_size() if SPLIT_BATCHES else loss
 
 
 @torch.no_grad()
 def average_over_ranks(tensors):
     """Replace each tensor by its mean over the ranks, in one all-reduce (none in one process)."""
-    if not dist.is_initialized():
+    if not SPLIT_BATCHES:
         return
     flat = torch.cat([t.flatten() for t in tensors]) / dist.get_world_size()
     dist.all_reduce(flat)
@@ -1225,16 +1236,69 @@ def average_over_ranks(tensors):
 def sum_over_ranks(*values):
     """The values (0-dim tensors on the device) summed over the ranks, as Python floats."""
     sums = torch.stack([v.float() for v in values])
-    if dist.is_initialized():
+    if SPLIT_BATCHES:
         dist.all_reduce(sums)
     return sums.tolist()
 
 
 def same_on_every_rank(tensor):
     """Rank 0's tensor on every rank, rather than each rank's own recomputation, bit for bit."""
-    if dist.is_initialized():
+    if SPLIT_BATCHES:
         dist.broadcast(tensor, 0)
     return tensor
+
+
+class RunMail:
+    """Under --spread runs, every rank's finished runs reach rank 0 over a gloo group (CPU tensors,
+    whatever the training device): a run's record as JSON in a buffer of fixed size, its first 8
+    bytes the length. Rank 0 posts a receive for every run another rank will train before any is
+    trained, so a rank's send completes as soon as its run is done, whatever rank 0 is doing, and
+    nobody waits for anybody. Rank 0 looks for what has landed between its epochs."""
+
+    def __init__(self, runs_of_rank, hyp):
+        self.group = dist.new_group(backend='gloo')
+        self.size = 8192 + 1024 * hyp['epochs']  # a row takes about 300 bytes of JSON
+        self.pending = {}
+        if dist.get_rank() == 0:
+            for rank, runs in enumerate(runs_of_rank):
+                for run in runs if rank else []:
+                    buffer = torch.zeros(self.size, dtype=torch.uint8)
+                    work = dist.irecv(buffer, src=rank, group=self.group, tag=run)
+                    self.pending[run] = buffer, work
+
+    def send(self, record):
+        """Send a finished run's record to rank 0 (from another rank)."""
+        text = json.dumps(json_ready(record)).encode()
+        if 8 + len(text) > self.size:
+            raise RuntimeError(f"run {record['run']}'s record takes {len(text)} bytes, more than "
+                               f'{self.size - 8}')
+        buffer = torch.zeros(self.size, dtype=torch.uint8)
+        buffer[:8] = torch.frombuffer(bytearray(len(text).to_bytes(8, 'little')), dtype=torch.uint8)
+        buffer[8:8 + len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+        dist.send(buffer, 0, group=self.group, tag=record['run'])
+
+    def arrived(self, wait=False):
+        """On rank 0: the records that have arrived since the last call; with wait, all of them but
+        those of a rank that died (torchrun then stops the job)."""
+        records = []
+        for run, (buffer, work) in list(self.pending.items()):
+            landed = int.from_bytes(bytes(buffer[:8].tolist()), 'little')
+            if not (wait or landed):
+                continue
+            del self.pending[run]
+            try:
+                work.wait()
+            except (RuntimeError, dist.DistError):  # its rank is gone: the run never comes
+                continue
+            length = int.from_bytes(bytes(buffer[:8].tolist()), 'little')
+            records.append(with_nans(json.loads(bytes(buffer[8:8 + length].tolist()))))
+        return records
+
+
+def stop_as_if_interrupted(signum, frame):
+    """torchrun stops every rank with SIGTERM when one fails: each then ends as Ctrl-C ends it,
+    rank 0 keeping what has arrived of the other ranks' runs."""
+    raise KeyboardInterrupt
 
 
 # =============================================================================================
@@ -1246,7 +1310,7 @@ def synced_clock(device):
         torch.cuda.synchronize(device)
     elif device.type == 'mps':
         torch.mps.synchronize()
-    if dist.is_initialized():
+    if SPLIT_BATCHES:  # ranks that train whole runs alone keep their own time
         dist.barrier()
     return time.perf_counter()
 
@@ -1290,12 +1354,14 @@ def items_in_lines(first, items, width=100):
     return lines + [line]
 
 
-def header_lines(hyp, data, device, dtype, seed, flops, peak, world, fp32_math=None):
+def header_lines(hyp, data, device, dtype, seed, flops, peak, world, fp32_math=None, spread=False):
     """What a log must say before its first row: the script's version, the software and device,
-    the settings, the data's provenance, and the model FLOPs of a run."""
-    ranks = (f" | {world} ranks ({dist.get_backend()}), {hyp['batch_size'] // world} images each "
-             'per step' if world > 1 else '')
-    peak = (f' | peak {peak:g} TFLOP/s' + (f' x {world}' if world > 1 else '')) if peak else ''
+    how the ranks share the job, the settings, the data's provenance, the model FLOPs of a run."""
+    split = world > 1 and not spread
+    share = ('each training whole runs' if spread else
+             f"{hyp['batch_size'] // world} images each per step")
+    ranks = f' | {world} ranks ({dist.get_backend()}), {share}' if world > 1 else ''
+    peak = (f' | peak {peak:g} TFLOP/s' + (f' x {world}' if split else '')) if peak else ''
     fp32 = f'; {fp32_math}' if fp32_math else ''
     tflop = {k: f'{v / 1e12:.4g} TFLOP' for k, v in flops.items() if k != 'steps'}
     return [f'train_cifar10.py {script_hash()} | torch {torch.__version__} | '
@@ -1365,6 +1431,10 @@ def summary_lines(s):
                      f"/ {100 * s['acc_max']:.2f} %{reached}")
         lines.append(f"time per run: mean {s['time_mean_s']:.2f} s, median "
                      f"{s['time_median_s']:.2f} s, max {s['time_max_s']:.2f} s")
+    if 'runs_per_hour' in s:
+        ranks = f" over {s['ranks']} ranks" if s['ranks'] > 1 else ''
+        lines.append(f"job: {s['runs'] - s.get('read_back', 0)} runs in {s['wall_s']:.1f} s of "
+                     f"wall time after the warm-up{ranks}, {s['runs_per_hour']:.0f} runs an hour")
     if 'cost_per_run_usd' in s:
         lines.append(f"cost per run: ${s['cost_per_run_usd']:.5f}")
     if 'tflops_per_s' in s:
@@ -1750,11 +1820,15 @@ def read_job(path, option):
     if problem:
         raise UserError(f'{option} {path} is not a --json file of this version of '
                         f'train_cifar10.py ({problem}); left as it is')
-    for run in job['runs']:  # JSON has no NaN: json_ready wrote a diverged run's NaNs as nulls
-        run['accuracy'] = math.nan if run['accuracy'] is None else run['accuracy']
-        run['rows'] = [{k: math.nan if v is None else v for k, v in row.items()}
-                       for row in run['rows']]
+    job['runs'] = [with_nans(run) for run in job['runs']]
     return job
+
+
+def with_nans(run):
+    """A run's record read from JSON, which has no NaN: json_ready wrote a diverged run's NaNs
+    as nulls, which become NaN again."""
+    rows = [{k: math.nan if v is None else v for k, v in row.items()} for row in run['rows']]
+    return dict(run, rows=rows, accuracy=math.nan if run['accuracy'] is None else run['accuracy'])
 
 
 def check_new_job_file(path):
@@ -1868,11 +1942,16 @@ def read_back_lines(runs, path, runs_requested):
     done = spans([r['run'] for r in runs])
     lines = [f'\n--resume {path}: {done} read back, tables below; {to_run}']
     for run in runs:
-        lines += [f"\nrun {run['run']}/{runs_requested} (seed {run['seed']}), read back from "
-                  f'{path}', table_line(COLUMNS), *[table_row(row) for row in run['rows']]]
-        if run['failed']:
-            lines.append(f"run {run['run']} FAILED: the loss became NaN in epoch "
-                         f"{len(run['rows'])}")
+        lines += run_table_lines(run, runs_requested, f', read back from {path}')
+    return lines
+
+
+def run_table_lines(run, runs_requested, source=''):
+    """A finished run's table: its title, the columns, a row per epoch, and FAILED if it failed."""
+    lines = [f"\nrun {run['run']}/{runs_requested} (seed {run['seed']}){source}",
+             table_line(COLUMNS), *[table_row(row) for row in run['rows']]]
+    if run['failed']:
+        lines.append(f"run {run['run']} FAILED: the loss became NaN in epoch {len(run['rows'])}")
     return lines
 
 
@@ -1977,6 +2056,9 @@ def parse_args(argv):
     add('--compile', action=argparse.BooleanOptionalAction, default=None,
         help='torch.compile the training and evaluation passes (outside the timed runs); default: '
              'on for cuda and cpu, off for mps and for --tiny')
+    add('--spread', choices=['batches', 'runs'], default='batches',
+        help='under torchrun: split each batch over the ranks (data parallel), or give each rank '
+             'whole runs of its own (a job of many runs on many GPUs)')
     add('--peak-tflops', type=float, metavar='TFLOPS',
         help="the device's peak, for the model-FLOP utilisation (known GPUs are in PEAK_TFLOPS)")
     args = p.parse_args(argv)
@@ -2049,21 +2131,25 @@ def prepare_data(args, hyp, local_rank, world):
 
 class Job:
     """One command's runs: its settings, device and data, the runs read back or trained, and the
-    files written after each. main drives it: set_up, train, finish."""
+    files written after each. main drives it: set_up, train, finish. Under torchrun the ranks split
+    each batch, or with --spread runs each trains whole runs and rank 0 gathers them."""
 
     def __init__(self, args):
         self.args = args
         self.hyp = {**HYP, **(TINY if args.tiny else {}),
                     'epochs': args.epochs, 'batch_size': args.batch_size, 'cutout': args.cutout}
         self.rank, self.local_rank, self.world = torchrun_ranks()
+        self.spread = args.spread == 'runs' and self.world > 1
+        self.batch_ranks = 1 if self.spread else self.world  # the ranks a batch is split over
         self.log = print if self.rank == 0 else (lambda *_, **__: None)
         self.runs, self.read_back, self.device, self.networks, self.lock = [], [], None, None, None
+        self.mail, self.stopped, self.started, self.unprinted = None, False, None, []
 
     def set_up(self):
         """Check the options, choose the device and dtype, load the data, read back a resumed job:
         all that can be wrong is found here, before any training, and raised as a UserError."""
         args, hyp = self.args, self.hyp
-        check_options(args, hyp, self.world)
+        check_options(args, hyp, self.batch_ranks)
         if args.json and args.resume and Path(args.json).resolve() != Path(args.resume).resolve():
             check_new_job_file(args.json)  # --resume A --json B: the whole job goes to B
         elif args.json and not args.resume:
@@ -2076,14 +2162,16 @@ class Job:
         self.compiled, self.channels_last = speed_settings(args, self.device)
         self.dtype = pick_dtype(args.dtype, self.device, self.channels_last)
         if self.world > 1:
-            join_process_group(self.device)
+            join_process_group(self.device, not self.spread)  # the group also gathers spread runs
+        if self.spread:
+            signal.signal(signal.SIGTERM, stop_as_if_interrupted)
         self.data = data = prepare_data(args, hyp, self.local_rank, self.world)
         self.fp32_math = fp32_precision(self.device, self.dtype)
         self.flops = count_flops(hyp, len(data['train_images']), len(data['test_images']))
         self.peak = peak_tflops(self.device, self.dtype, args.peak_tflops)
         self.context = dict(
             script_sha256=script_hash(), torch=torch.__version__,
-            device=device_description(self.device), ranks=self.world, dtype=str(self.dtype),
+            device=device_description(self.device), ranks=self.batch_ranks, dtype=str(self.dtype),
             fp32_math=self.fp32_math, compile=self.compiled, channels_last=self.channels_last,
             hyperparameters=hyp, seed=args.seed, data=data['provenance'],
             data_digest=data['digest'],
@@ -2093,18 +2181,20 @@ class Job:
 
     def train(self):
         """Print the header and the runs read back, warm up (compiling first), then train the
-        missing runs, writing the files after each."""
+        missing runs: all of them, or with --spread runs this rank's share (runs rank + 1,
+        rank + 1 + world, ... of those missing)."""
         args, hyp, log = self.args, self.hyp, self.log
         if self.device.type == 'cuda':
             torch.backends.cudnn.benchmark = True  # fixed shapes: cuDNN picks the fastest kernels
         log('\n'.join(header_lines(hyp, self.data, self.device, self.dtype, args.seed, self.flops,
-                                   self.peak, self.world, self.fp32_math)))
+                                   self.peak, self.world, self.fp32_math, self.spread)))
         if self.read_back:
             log('\n'.join(read_back_lines(self.read_back, args.resume, args.runs)))
             self.runs = list(self.read_back)
         shown = self.rank == 0 and sys.stderr.isatty()
         self.progress = Progress(enabled=shown, images_per_step=hyp['batch_size'])
-        if len(self.runs) < args.runs:
+        missing = missing_runs(self.runs, args.runs)
+        if missing:
             log(f"\n{'compilation, then ' if self.compiled else ''}warm-up: an untimed run of 2 "
                 'steps and 2 evaluation batches takes the one-off costs', flush=True)
             self.networks, self.compiled = compiled_warm_up(
@@ -2113,58 +2203,90 @@ class Job:
             self.progress.clear()
         if self.device.type == 'cuda':
             torch.cuda.reset_peak_memory_stats(self.device)  # the runs', not the warm-up's
-        for run in missing_runs(self.runs, args.runs):
+        if self.spread:
+            self.mail = RunMail([missing[r::self.world] for r in range(self.world)], hyp)
+        self.unprinted, self.started = list(missing), time.perf_counter()
+        for run in missing[self.rank::self.world] if self.spread else missing:
             self.train_one(run)
+        if self.mail and self.rank == 0:
+            self.take_in(self.mail.arrived(wait=True))
 
     def train_one(self, run):
-        """Train run number `run` (seed: the first seed + run - 1), print its rows, keep it, and
-        write the files."""
+        """Train run number `run` (seed: the first seed + run - 1) and keep it. Its table prints as
+        it trains; with --spread runs, whole and in run order, from rank 0, once it has arrived."""
         args, hyp, seed = self.args, self.hyp, self.args.seed + run - 1
-        self.log(f'\nrun {run}/{args.runs} (seed {seed})')
-        self.log(table_line(COLUMNS), flush=True)
+        if not self.spread:
+            self.log(f'\nrun {run}/{args.runs} (seed {seed})\n{table_line(COLUMNS)}', flush=True)
 
         def on_epoch(row):
             self.progress.clear()
-            self.log(table_row(row), flush=True)
+            if not self.spread:
+                self.log(table_row(row), flush=True)
+            elif self.rank == 0:
+                self.take_in(self.mail.arrived())  # other ranks' runs, between this one's epochs
         progress = self.progress.of(f'run {run}/{args.runs}', hyp['epochs'])
         rows = train_run(self.data, self.networks, hyp, seed, on_epoch, progress)
         failed = len(rows) < hyp['epochs'] or not math.isfinite(rows[-1]['valid_loss'])
-        if failed:
-            self.log(f'run {run} FAILED: the loss became NaN in epoch {len(rows)}')
         record = dict(run=run, seed=seed, failed=failed, compiled=self.compiled, rows=rows,
                       accuracy=rows[-1]['valid_acc'], time_s=rows[-1]['total_time'])
-        self.runs = sorted(self.runs + [record], key=lambda r: r['run'])
+        if self.spread and self.rank != 0:
+            self.mail.send(record)
+        else:
+            self.take_in([record], None if failed else self.networks.ema)
+
+    def take_in(self, records, ema=None):
+        """Keep finished runs (this rank's, or gathered by rank 0), print the tables now due, and
+        write the files; ema, the model of the one run this rank just trained, goes to --save."""
+        if not records:
+            return
+        self.runs = sorted(self.runs + records, key=lambda r: r['run'])
+        done = {r['run']: r for r in self.runs}
+        while self.unprinted and self.unprinted[0] in done:
+            record = done[self.unprinted.pop(0)]
+            if self.spread:
+                self.log('\n'.join(run_table_lines(record, self.args.runs)), flush=True)
+            elif record['failed']:
+                self.log(run_table_lines(record, self.args.runs)[-1])  # its rows are printed
         if self.rank == 0:
-            ema = None if failed else self.networks.ema
-            write_results(args, self.context, self.runs, self.summary(), hyp, ema, record)
+            write_results(self.args, self.context, self.runs, self.summary(), self.hyp, ema,
+                          records[-1] if ema is not None else None)
 
     def summary(self):
-        """The summary of the finished runs, with how many were read back by --resume, and on CUDA
-        the peak GPU memory of the runs this process trained."""
+        """The summary of the finished runs, with how many were read back by --resume, the job's
+        throughput, and on CUDA the peak GPU memory of the runs this process trained."""
         args = self.args
         summary = summarize(self.runs, args.gpu_price, count_94=not args.tiny,
-                            flops=self.flops['run'], peak=self.peak, world=self.world)
+                            flops=self.flops['run'], peak=self.peak, world=self.batch_ranks)
         if args.resume:
             summary.update(read_back=len(self.read_back), resumed_from=args.resume)
-        if self.device.type == 'cuda' and len(self.runs) > len(self.read_back):
+        trained = len(self.runs) - len(self.read_back)
+        if trained and self.started:
+            wall = time.perf_counter() - self.started
+            summary.update(wall_s=wall, runs_per_hour=3600 * trained / wall, ranks=self.world)
+        if self.device.type == 'cuda' and trained:
             summary['peak_memory_gb'] = torch.cuda.max_memory_allocated(self.device) / 1e9
         return summary
 
     def interrupted(self):
+        self.stopped = True
         if sys.stderr.isatty():
             print('\r\033[K', end='', file=sys.stderr)  # wipe a progress line
+        if self.mail and self.rank == 0:
+            self.take_in(self.mail.arrived())  # what other ranks finished is kept
         finished = f': summary of the {len(self.runs)} finished run(s)' if self.runs else ''
         self.log(f'\ninterrupted{finished}')
 
     def finish(self):
         """Print the summary of the finished runs; the exit status: 130 for an interrupted job (the
-        shell's code for Ctrl-C), 1 if a run failed, else 0."""
+        shell's code for Ctrl-C), 1 if a run failed, else 0. With --spread runs, ranks other than 0
+        end with 0 once they have sent their runs."""
         if self.runs:
-            summary = self.summary()
-            self.log('\n' + '\n'.join(summary_lines(summary)))
-        if len(self.runs) < self.args.runs:
+            self.log('\n' + '\n'.join(summary_lines(self.summary())))
+        if self.spread and self.rank != 0:
+            return 130 if self.stopped else 0
+        if self.stopped or len(self.runs) < self.args.runs:
             return 130
-        return 1 if summary['failed'] else 0
+        return 1 if any(r['failed'] for r in self.runs) else 0
 
 
 def main(argv=None):
