@@ -5,6 +5,7 @@ Run: python -m pytest -q -rs test_train.py
 With CIFAR10_DIR pointing at a folder that holds cifar-10-batches-py/, also checks that copy.
 """
 import atexit
+import contextlib
 import gzip
 import hashlib
 import http.server
@@ -1043,20 +1044,23 @@ def test_speed_settings_for_each_device_size_and_option(device, tiny, option):
     assert channels_last == (device != 'mps')
 
 
-@pytest.mark.parametrize('device, dtype, evaluation', [('cuda', torch.float16, True), ('cuda', torch.bfloat16, True),
-                                                       ('cuda', torch.float32, False), ('cpu', torch.float32, None)])
-def test_fp32_precision_is_chosen_and_said(monkeypatch, device, dtype, evaluation):
+@pytest.mark.parametrize('device, dtype, capability, evaluation', [
+    ('cuda', torch.float16, (9, 0), True), ('cuda', torch.bfloat16, (8, 0), True),
+    ('cuda', torch.float16, (7, 0), False), ('cuda', torch.float32, (9, 0), False), ('cpu', torch.float32, None, None)])
+def test_fp32_precision_is_chosen_and_said(monkeypatch, device, dtype, capability, evaluation):
     """On CUDA, training computes fp32 (the whitening fold) without TF32, cuDNN's default included;
-    fp16/bf16 training lets only the EMA's evaluation use TF32; a CPU: nothing to choose."""
+    fp16/bf16 training lets only the EMA's evaluation use TF32, on a GPU that has it (8.0 and later:
+    a V100, 7.0, has none); a CPU: nothing to choose."""
     for backend in (torch.backends.cudnn, torch.backends.cuda.matmul):
         monkeypatch.setattr(backend, 'allow_tf32', True)          # cuDNN's default; restored after the test
+    monkeypatch.setattr(torch.cuda, 'get_device_capability', lambda device=None: capability)
     said = T.fp32_precision(torch.device(device), dtype)
     assert T.evaluates_in_tf32(torch.device(device), dtype) == bool(evaluation)
     if evaluation is None:
         assert said is None and torch.backends.cudnn.allow_tf32
     else:
         assert not torch.backends.cudnn.allow_tf32 and not torch.backends.cuda.matmul.allow_tf32
-        assert said == ('training in fp32, the evaluation in TF32' if evaluation else 'TF32 off')
+        assert said == ("TF32 for the EMA's evaluation only" if evaluation else 'TF32 off')
         header = T.header_lines(T.HYP, dict(train_images=[0], test_images=[0], provenance='x', digest='d'),
                                 torch.device('cpu'), dtype, 0, T.count_flops(T.TINY | T.HYP, 50000, 10000), None, 1, said)
         assert f'EMA fp32; {said})' in header[1]
@@ -1081,8 +1085,8 @@ def test_training_keeps_the_fold_in_true_fp32_and_only_the_evaluation_uses_tf32(
     them; here a CPU stands in for a CUDA GPU that trains in fp16."""
     for backend in (torch.backends.cudnn, torch.backends.cuda.matmul):
         monkeypatch.setattr(backend, 'allow_tf32', True)          # restored after the test
+    monkeypatch.setattr(T, 'evaluates_in_tf32', lambda device, dtype: True)  # an Ampere or later
     T.fp32_precision(torch.device('cuda'), torch.float16)
-    monkeypatch.setattr(T, 'evaluates_in_tf32', lambda device, dtype: True)
     networks, hyp = small_networks()
     images, labels = torch.randn(64, 3, 32, 32), torch.arange(64) % 10
     with PrecisionLog() as training:
@@ -1200,6 +1204,22 @@ def test_a_diverged_run_is_reported_as_failed(dataset, tmp_path, monkeypatch, ca
     assert 'no run finished' in out and 'accuracy (flip-TTA' not in out
     report = json.loads((tmp_path / 'r.json').read_text())
     assert report['runs'][0]['failed'] and 'acc_mean' not in report['summary']
+
+
+def test_a_run_whose_training_loss_is_not_finite_is_failed(dataset, tmp_path, monkeypatch, capsys):
+    """A NaN training loss fails the run even where its evaluation still gave a finite loss."""
+    real = T.train_run
+
+    def nan_in_training(*args, **kwargs):
+        rows = real(*args, **kwargs)
+        rows[-1]['train_loss'] = math.nan
+        return rows
+    monkeypatch.setattr(T, 'train_run', nan_in_training)
+    status = T.main(['--tiny', '--data-dir', str(dataset), '--epochs', '1', '--json', str(tmp_path / 'r.json')])
+    out = capsys.readouterr().out
+    assert status == 1 and 'run 1 FAILED' in out and 'runs: 0 finished, 1 failed' in out
+    run = T.read_job(tmp_path / 'r.json', '--json')['runs'][0]
+    assert run['failed'] and math.isfinite(run['rows'][-1]['valid_loss'])
 
 
 @pytest.mark.parametrize('stage', ['probe_run', 'ensure_cifar10', 'load_cifar10', 'warm_up', 'train_run'])
@@ -1436,6 +1456,31 @@ def test_compare_by_hand(finished_job, tmp_path, capsys):
     b.write_text(json.dumps(job_with(source, [0.93 + 1e-7, 0.94 + 1e-7, 0.95 + 1e-7])))
     assert T.main(['--compare', str(a), str(b)]) == 0
     assert 'the interval holds 0' in (out := capsys.readouterr().out) and 'more than 100,000 runs a side' in out
+
+
+def test_an_older_versions_job_is_compared_but_neither_resumed_nor_overwritten(finished_job, tmp_path,
+                                                                              monkeypatch, capsys):
+    """Files written before the settings of T.NEWER_KEYS were recorded: --compare reads them (a
+    baseline of hours stays usable), --resume cannot go on with them, --json will not overwrite."""
+    source, options = finished_job
+
+    def older(job):
+        for record in [job, *job['runs']]:
+            for key in T.NEWER_KEYS:
+                record.pop(key, None)
+    path, text = copy_of(source, tmp_path, change=older)
+    assert not any(key in path.read_text() for key in T.NEWER_KEYS)
+    assert T.main(['--compare', str(source), str(path)]) == 0
+    was = json.loads(source.read_text())                             # a CPU's: fp32_math null
+    assert (f"B differs from A in: fp32_math (unset -> not recorded), compile ({was['compile']} -> not "
+            f"recorded), channels_last ({was['channels_last']} -> not recorded)\n" in capsys.readouterr().out)
+    no_training(monkeypatch)
+    assert T.main([*options, '--runs', '3', '--resume', str(path)]) == 1
+    assert 'is not a --json file of this version of train_cifar10.py (no "' in capsys.readouterr().err
+    assert T.main([*options, '--json', str(path)]) == 1
+    assert (f'--json {path} already holds a job, one this version cannot read (no "'
+            in capsys.readouterr().err)
+    assert path.read_bytes() == text
 
 
 @pytest.mark.parametrize('changes, accuracies, message', [
@@ -2119,7 +2164,23 @@ def spread_job(dataset, folder, *args, nproc=2, wait=True):
                str(folder / 'r.tsv'), '--save', str(folder / 'ema.pt'), *map(str, args)]
     if wait:
         return subprocess.run(command, capture_output=True, text=True, timeout=300)
-    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)                 # a group, as a terminal's job
+
+
+def stop_group(job):
+    """SIGKILL whatever of the job's process group is left (torchrun and its ranks), and reap it."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(job.pid, signal.SIGKILL)
+    job.wait(timeout=60)
+
+
+def wait_for_a_run(path, job):
+    """Until the job's --json file holds a finished run (at most 4 minutes)."""
+    deadline = time.time() + 240
+    while not (path.exists() and json.loads(path.read_text())['runs']):
+        assert time.time() < deadline and job.poll() is None, 'no run finished'
+        time.sleep(0.2)
 
 
 @pytest.fixture(scope='module')
@@ -2172,14 +2233,13 @@ def test_a_spread_job_that_loses_a_rank_resumes_with_one_rank_or_two(dataset, tm
     path = tmp_path / 'r.json'
     job = spread_job(dataset, tmp_path, '--json', path, wait=False)
     try:
-        deadline = time.time() + 240
-        while not (path.exists() and json.loads(path.read_text())['runs']) and time.time() < deadline:
-            time.sleep(0.2)
-        os.kill(rank_process(job.pid, 1), signal.SIGKILL)
+        wait_for_a_run(path, job)
+        rank_1 = rank_process(job.pid, 1)
+        assert rank_1 is not None
+        os.kill(rank_1, signal.SIGKILL)
         job.communicate(timeout=120)
     finally:
-        job.kill()
-        job.wait(timeout=60)
+        stop_group(job)
     assert job.returncode != 0
     kept = T.read_job(path, '--json')['runs']
     assert 1 <= len(kept) < 4
@@ -2225,18 +2285,18 @@ def test_a_rank_that_fails_stops_the_spread_job_and_what_finished_is_kept(datase
 
 
 def test_ctrl_c_stops_every_rank_of_a_spread_job_with_its_runs_on_disk(dataset, tmp_path):
+    """Ctrl-C in a terminal signals the whole job, torchrun and each rank, and torchrun then sends
+    the ranks SIGTERM too: every rank stops without a traceback, the finished runs are on disk."""
     path = tmp_path / 'r.json'
     job = spread_job(dataset, tmp_path, '--json', path, '--runs', '40', wait=False)
     try:
-        deadline = time.time() + 240
-        while not (path.exists() and json.loads(path.read_text())['runs']) and time.time() < deadline:
-            time.sleep(0.2)
-        job.send_signal(signal.SIGINT)
+        wait_for_a_run(path, job)
+        os.killpg(job.pid, signal.SIGINT)
         out, err = job.communicate(timeout=120)
     finally:
-        job.kill()
-        job.wait(timeout=60)
-    assert 'interrupted: summary of the' in out and 'Traceback (most recent call last)' not in out
+        stop_group(job)
+    assert 'interrupted: summary of the' in out and 'KeyboardInterrupt' not in err
+    assert 'Traceback' not in out and not list(tmp_path.glob('.*'))         # no lock, no part left
     runs = T.read_job(path, '--json')['runs']
     assert 1 <= len(runs) < 40 and f'runs: {len(runs)} finished' in out
 

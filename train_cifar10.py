@@ -27,6 +27,8 @@ import argparse
 import codecs
 import contextlib
 import copy
+import errno
+import datetime
 import hashlib
 import http.client
 import inspect
@@ -42,6 +44,7 @@ import signal
 import sys
 import tarfile
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -149,9 +152,8 @@ def normalise(images, device, dtype):
 
 def balanced_choice(n, options, max_options, generator):
     """For each of n images one of the choices 0 .. options - 1, as Page's loader draws them: at
-    most max_options choices picked at random, each given to an equal share of the images (to within
-    one image: half are flipped). The draws come from the run's CPU generator, so every rank and
-    every device type gets the same ones."""
+    most max_options picked at random, each for an equal share of the images (half are flipped),
+    from the run's CPU generator, so that every rank and every device type draws the same."""
     picked = torch.randperm(options, generator=generator)[:max_options]
     return picked[torch.randperm(n, generator=generator) % len(picked)]
 
@@ -173,9 +175,8 @@ def draw_augmentation(n, hyp, generator):
 
 def crop(padded, top, left, size):
     """Image i's size x size window at (top[i], left[i]), for top and left on the CPU. As in Page's
-    loader, the images are grouped by offset (at most 81 groups for a pad of 4, formed on the CPU),
-    each cut with a slice and one index_select: no per-pixel gather, whose indices would take 4
-    times the images' memory (and which MPS has computed wrongly)."""
+    loader, the images are grouped by offset (at most 81 groups for a pad of 4), each cut with a
+    slice and one index_select: no per-pixel gather (4 times the images' memory; wrong on MPS)."""
     width = padded.shape[3]
     offsets = top * width + left  # each image's, as one number
     order = torch.argsort(offsets, stable=True)  # the images grouped by offset
@@ -284,8 +285,7 @@ class GhostBatchNorm(nn.BatchNorm2d):
     k+s, k+2s, ... as in Page's code. Statistics are in fp32; the running ones move by the average
     of the splits' (torch's momentum 0.1 and eps 1e-5, as Page's). Two ways to the same numbers,
     neither copying an activation: Page's, the splits as the channels of one batch norm, and the
-    splits as a view (compiled, or channels_last).
-    """
+    splits as a view (compiled, or channels_last)."""
 
     def __init__(self, channels, split_size):
         super().__init__(channels)
@@ -380,12 +380,13 @@ def to_training_precision(model, dtype):
     statistics, which hold the small differences that normalisation divides by, and the fixed
     whitening filters, which the prep layer folds in fp32 (rounded, they would be other filters,
     and the fp32 EMA's copy would drift to them)."""
+    whitenings = [(m, m.whitening) for m in model.modules() if isinstance(m, WhitenedPrep)]
     model.to(dtype)
+    for module, whitening in whitenings:
+        module.whitening = whitening.to(at_least_fp32(dtype))  # the filters as they were
     for module in model.modules():
         if isinstance(module, nn.BatchNorm2d):
             module.to(at_least_fp32(dtype))
-        elif isinstance(module, WhitenedPrep):
-            module.whitening = module.whitening.to(at_least_fp32(dtype))
     return model
 
 
@@ -939,9 +940,11 @@ def check_augmentation(device):
 
 
 def evaluates_in_tf32(device, dtype):
-    """Whether the EMA's fp32 evaluation may use TF32: on a CUDA GPU, when training in fp16 or bf16.
-    TF32 has 10 mantissa bits, as many as the fp16 in which Page evaluated."""
-    return device.type == 'cuda' and dtype != torch.float32
+    """Whether the EMA's fp32 evaluation may use TF32: on a CUDA GPU that has it (Ampere, 8.0, or
+    later), when training in fp16 or bf16. TF32 has 10 mantissa bits, as many as the fp16 in which
+    Page evaluated."""
+    return (device.type == 'cuda' and dtype != torch.float32
+            and torch.cuda.get_device_capability(device)[0] >= 8)
 
 
 def fp32_precision(device, dtype):
@@ -956,7 +959,7 @@ def fp32_precision(device, dtype):
     # inductor suggests TF32 whenever it compiles an fp32 matmul with TF32 off: here, deliberately
     warnings.filterwarnings('ignore', message='TensorFloat32 tensor cores')
     if evaluates_in_tf32(device, dtype):
-        return 'training in fp32, the evaluation in TF32'
+        return "TF32 for the EMA's evaluation only"
     return 'TF32 off'
 
 
@@ -1028,6 +1031,8 @@ def compile_passes(networks, data, hyp, device):
     with networks.parallel.no_sync() if SPLIT_BATCHES else contextlib.nullcontext():
         disagreement = compiled_step_disagreement(networks, x, y, hyp)
     networks.optimiser.zero_grad()
+    if disagreement:
+        return disagreement  # eager from here: no evaluation to compile
     batches = test_set(data, networks, hyp)[0].split(hyp['eval_batch_size'])
     with torch.no_grad():
         for batch in {len(batch): batch for batch in batches}.values():  # a full batch and the last
@@ -1042,16 +1047,20 @@ def compiled_step_disagreement(networks, x, y, hyp):
     precision (as inductor did with amax's backward) would train every run to NaN.
 
     The bound: both steps round the same sums at the same precision, in different places, so each
-    lies about as far from the exact values (float64, same weights, same images) as the other, and
-    the two lie within twice that of each other. Each of the loss and the gradients may differ
-    from eager's by 4 times eager's own distance from float64, relative to its size, and by at
-    least 4 times the median of those distances (a tensor that eager happened to round well would
-    set too tight a bound). At a run's first weights that distance is, per tensor, about 1e-5
-    (--tiny) to 2e-3 (full width) in fp32, 5-12 % in fp16 and 15-45 % in bf16 (measured on the
-    CPU): the batch norms' gradients cancel most of their terms. A NaN, or a gradient zeroed or
-    doubled (off by 100 % of its size), lies outside in fp32 and fp16, and mostly in bf16."""
-    exact_on = x.device if x.device.type != 'mps' else torch.device('cpu')  # MPS has no float64
-    exact_net = copy.deepcopy(networks.network).to(exact_on, torch.float64)
+    lies about as far from the exact values (in float64, or fp32 for fp16 and bf16; same weights
+    and images) as the other, and the two lie within twice that of each other. Each of the loss and
+    the gradients may differ from eager's by 4 times eager's own distance from the exact values,
+    relative to its size, and by at least 4 times the median of those distances (a tensor that
+    eager happened to round well would set too tight a bound). At a run's first weights that
+    distance is, per tensor, about 1e-5 (--tiny) to 2e-3 (full width) in fp32, 5-12 % in fp16 and
+    15-45 % in bf16 (measured on the CPU): the batch norms' gradients cancel most of their terms.
+    A NaN, or a gradient zeroed or doubled (off by 100 % of its size), lies outside in fp32 and
+    fp16, and mostly in bf16."""
+    # float64 for fp32 training (on the CPU for MPS, which has none); for half precision fp32,
+    # whose rounding is 2^13 times finer than fp16's, at half float64's memory on a GPU
+    wide = torch.float64 if networks.dtype in (torch.float32, torch.float64) else torch.float32
+    exact_on = torch.device('cpu') if x.device.type == 'mps' and wide == torch.float64 else x.device
+    exact_net = copy.deepcopy(networks.network).to(exact_on, wide)
 
     def loss_and_gradients(model, loss_function, images):
         params = [p for p in model.parameters() if p.requires_grad]
@@ -1063,9 +1072,14 @@ def compiled_step_disagreement(networks, x, y, hyp):
 
     names = ['the loss'] + [f"{name}'s gradient" for name, p in networks.network.named_parameters()
                             if p.requires_grad]
-    exact = loss_and_gradients(exact_net, summed_loss, x.to(exact_on, torch.float64))
+    exact = loss_and_gradients(exact_net, summed_loss, x.to(exact_on, wide))
+    del exact_net
+    if exact_on.type == 'cuda':
+        torch.cuda.empty_cache()  # the reference's memory back, before the runs
     eager = loss_and_gradients(networks.parallel, summed_loss, x)
     compiled = loss_and_gradients(networks.parallel, networks.summed_loss, x)
+    if not all(torch.isfinite(t).all() for t in eager + exact):
+        return None  # nothing to judge by: eager training will meet the same NaN, and say so
     for name, c in zip(names, compiled):
         if not torch.isfinite(c).all():
             return f'{name} is not finite'
@@ -1127,7 +1141,8 @@ def failed_on_any_rank(failed, device):
     """Whether `failed` is true on any rank: one all-reduce of a flag under torchrun."""
     if not dist.is_initialized():
         return failed
-    flag = torch.tensor(float(failed), device=device)  # NCCL reduces CUDA tensors, gloo CPU ones
+    on = device if dist.get_backend() == 'nccl' else 'cpu'  # NCCL reduces CUDA tensors, gloo CPU
+    flag = torch.tensor(float(failed), device=on)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return bool(flag.item())
 
@@ -1162,13 +1177,15 @@ def rank_and_world():
 
 
 def join_process_group(device, split_batches=True):
-    """Join the ranks torchrun started: NCCL between GPUs, gloo between CPU processes."""
+    """Join the ranks torchrun started: NCCL between GPUs that split batches, gloo otherwise (CPU
+    processes, and ranks that train whole runs, which talk only to agree and to send their runs:
+    an idle NCCL communicator would make the ranks wait for each other to leave)."""
     global SPLIT_BATCHES
     import torch.distributed.nn  # noqa: F401  now, not later: see leave_process_group
+    nccl = device.type == 'cuda' and split_batches
     if device.type == 'cuda':
         torch.cuda.set_device(device)
-    dist.init_process_group('nccl' if device.type == 'cuda' else 'gloo',
-                            device_id=device if device.type == 'cuda' else None)
+    dist.init_process_group('nccl' if nccl else 'gloo', device_id=device if nccl else None)
     SPLIT_BATCHES = split_batches
 
 
@@ -1253,10 +1270,12 @@ class RunMail:
     whatever the training device): a run's record as JSON in a buffer of fixed size, its first 8
     bytes the length. Rank 0 posts a receive for every run another rank will train before any is
     trained, so a rank's send completes as soon as its run is done, whatever rank 0 is doing, and
-    nobody waits for anybody. Rank 0 looks for what has landed between its epochs."""
+    nobody waits for anybody. gloo writes a message into its posted buffer as it arrives, so rank
+    0 looks at the lengths between its epochs, and waits only on a message that has landed: a long
+    job never meets gloo's timeout, and Ctrl-C stays free to act."""
 
     def __init__(self, runs_of_rank, hyp):
-        self.group = dist.new_group(backend='gloo')
+        self.group = dist.new_group(backend='gloo', timeout=datetime.timedelta(days=7))
         self.size = 8192 + 1024 * hyp['epochs']  # a row takes about 300 bytes of JSON
         self.pending = {}
         if dist.get_rank() == 0:
@@ -1277,22 +1296,36 @@ class RunMail:
         buffer[8:8 + len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
         dist.send(buffer, 0, group=self.group, tag=record['run'])
 
-    def arrived(self, wait=False):
-        """On rank 0: the records that have arrived since the last call; with wait, all of them but
-        those of a rank that died (torchrun then stops the job)."""
-        records = []
+    def deliver(self, keep):
+        """On rank 0: hand each run that has landed to keep(record), Ctrl-C and SIGTERM held
+        meanwhile, so that a run is either still pending or kept, never lost between the two."""
         for run, (buffer, work) in list(self.pending.items()):
-            landed = int.from_bytes(bytes(buffer[:8].tolist()), 'little')
-            if not (wait or landed):
+            if not int.from_bytes(bytes(buffer[:8].tolist()), 'little'):
                 continue
-            del self.pending[run]
-            try:
-                work.wait()
-            except (RuntimeError, dist.DistError):  # its rank is gone: the run never comes
-                continue
+            work.wait()  # landed: returns at once
             length = int.from_bytes(bytes(buffer[:8].tolist()), 'little')
-            records.append(with_nans(json.loads(bytes(buffer[8:8 + length].tolist()))))
-        return records
+            with signals_held():
+                del self.pending[run]
+                keep([with_nans(json.loads(bytes(buffer[8:8 + length].tolist())))])
+
+
+@contextlib.contextmanager
+def signals_held(discard=False):
+    """Hold Ctrl-C (SIGINT) and torchrun's stop (SIGTERM) while the block runs, so that what it
+    keeps and writes is whole; with discard, drop those that came meanwhile (the job is already
+    ending). Where signals cannot be held (Windows, another thread), the block runs as it is."""
+    held = {signal.SIGINT, signal.SIGTERM}
+    main_thread = threading.current_thread() is threading.main_thread()
+    if not (hasattr(signal, 'pthread_sigmask') and main_thread):
+        yield
+        return
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        while discard and signal.sigtimedwait(held, 0):
+            pass
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
 def stop_as_if_interrupted(signum, frame):
@@ -1720,16 +1753,23 @@ JOB_KEYS = ('script_sha256', 'torch', 'device', 'ranks', 'dtype', 'fp32_math', '
 ROW_KEYS = tuple(c.replace(' ', '_') for c in COLUMNS)
 
 
-def job_file_problem(job):
+# Settings that older versions did not write: --compare reads their files without them.
+NEWER_KEYS = ('fp32_math', 'compile', 'channels_last', 'compiled')
+
+
+def job_file_problem(job, older=False):
     """What keeps a parsed --json file from being a whole job of this script, in a few words (None
     if nothing): its settings, and each of its runs once, in order, with its seed and a row per
-    epoch of numbers, finite unless the run is marked failed."""
+    epoch of numbers, finite unless the run is marked failed. older: a file of an older version,
+    without NEWER_KEYS, passes too."""
     if not isinstance(job, dict):
         return 'not a JSON object'
     types = dict(script_sha256=str, torch=str, device=str, ranks=int, dtype=str,
                  fp32_math=(str, type(None)), compile=bool, channels_last=bool,
                  hyperparameters=dict, seed=int, data=str, data_digest=str, train_images=int,
                  test_images=int, runs_requested=int, runs_finished=int, runs=list, summary=dict)
+    if older:
+        types = {k: v for k, v in types.items() if k not in NEWER_KEYS or k in job}
     problem = wrong_field(job, types)
     if problem:
         return problem
@@ -1737,7 +1777,7 @@ def job_file_problem(job):
     if not (of_kind(epochs, int) and epochs >= 1):
         return f'"epochs" is {epochs}'
     for run in job['runs']:
-        problem = run_problem(run, job['seed'], epochs)
+        problem = run_problem(run, job['seed'], epochs, older)
         if problem:
             return f"run {run.get('run') if isinstance(run, dict) else '?'}: {problem}"
     numbers = [run['run'] for run in job['runs']]
@@ -1764,13 +1804,15 @@ def wrong_field(record, types):
     return None
 
 
-def run_problem(run, seed, epochs):
+def run_problem(run, seed, epochs, older=False):
     """What is wrong with one run's record (see job_file_problem), or None."""
     if not isinstance(run, dict):
         return 'not a JSON object'
     number, maybe = (int, float), (int, float, type(None))
-    problem = wrong_field(run, dict(run=int, seed=int, failed=bool, compiled=bool, rows=list,
-                                    accuracy=maybe, time_s=maybe))
+    types = dict(run=int, seed=int, failed=bool, compiled=bool, rows=list, accuracy=maybe,
+                 time_s=maybe)
+    problem = wrong_field(run, {k: v for k, v in types.items()
+                                if not (older and k in NEWER_KEYS and k not in run)})
     if problem:
         return problem
     if run['run'] < 1 or run['seed'] != seed + run['run'] - 1:
@@ -1816,7 +1858,7 @@ def read_job(path, option):
         raise UserError(f'{option} {path} is not whole JSON ({e.msg} at line {e.lineno} of '
                         f'{text.count(chr(10)) + 1}): cut short, or not a --json file; left as it '
                         'is') from None
-    problem = job_file_problem(job)
+    problem = job_file_problem(job, older=option == '--compare')
     if problem:
         raise UserError(f'{option} {path} is not a --json file of this version of '
                         f'train_cifar10.py ({problem}); left as it is')
@@ -1838,7 +1880,15 @@ def check_new_job_file(path):
         return
     try:
         job = read_job(path, '--json')
-    except UserError:
+    except UserError as e:
+        try:
+            some_job = 'script_sha256' in json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, ValueError, TypeError):
+            some_job = False
+        if some_job:  # another version's: its runs may be hours of work
+            why = str(e).rsplit('(', 1)[-1].split(')')[0]
+            raise UserError(f'--json {path} already holds a job, one this version cannot read '
+                            f'({why}): give another path') from None
         raise UserError(f'--json {path} exists and is not the file of a job: give another path, '
                         'or delete it') from None
     raise UserError(f"--json {path} already holds a job, {len(job['runs'])} of "
@@ -1860,7 +1910,12 @@ def hold_job_file(path):
         lock = open(lock_path, 'a+')
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
+        except OSError as e:
+            if e.errno not in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EACCES):
+                lock.close()  # a file system without locks (some NFS, Lustre): no lock, and say so
+                print(f'note: {path} cannot be locked here ({e.strerror}): nothing stops a second '
+                      'job from writing it too', file=sys.stderr)
+                return None
             lock.seek(0)
             holder = lock.read().strip() or 'unknown'
             lock.close()
@@ -1879,13 +1934,15 @@ def hold_job_file(path):
 def release_job_file(lock):
     """Remove the lock file, then let go of it: a job that opened it meanwhile sees it gone."""
     if lock:
-        os.unlink(lock.name)
+        Path(lock.name).unlink(missing_ok=True)
         lock.close()
 
 
 def job_differences(a, b, keys=JOB_KEYS):
-    """'name (in a -> in b)' for each setting in which two jobs differ, hyperparameters singly."""
-    def short(v):
+    """'name (in a -> in b)' for each setting in which two jobs differ, hyperparameters singly; a
+    setting that an older version did not write is 'not recorded'."""
+    def short(record, k):
+        v = record.get(k, 'not recorded') if k in record or k in NEWER_KEYS else record.get(k)
         return 'unset' if v is None else str(v) if len(str(v)) <= 40 else str(v)[:37] + '...'
     a, b = json_ready(a), json_ready(b)  # tuples as lists, as a JSON file holds them
     differences = []
@@ -1893,10 +1950,10 @@ def job_differences(a, b, keys=JOB_KEYS):
         if key == 'hyperparameters':
             ha, hb = a[key], b[key]
             names = [k for k in list(ha) + [k for k in hb if k not in ha] if k not in keys]
-            differences += [f'{k} ({short(ha.get(k))} -> {short(hb.get(k))})'
+            differences += [f'{k} ({short(ha, k)} -> {short(hb, k)})'
                             for k in names if ha.get(k) != hb.get(k)]
-        elif a.get(key) != b.get(key):
-            differences.append(f'{key} ({short(a.get(key))} -> {short(b.get(key))})')
+        elif short(a, key) != short(b, key) or a.get(key) != b.get(key):
+            differences.append(f'{key} ({short(a, key)} -> {short(b, key)})')
     return differences
 
 
@@ -1974,8 +2031,8 @@ def compare_lines(path_a, path_b):
         notes = [f'{failed} failed, left out'] if failed else []
         if len(runs) < job['runs_requested']:
             notes.append(f"unfinished: {len(runs)} of {job['runs_requested']} runs")
-        eager = sum(not r['compiled'] for r in runs)
-        if job['compile'] and eager:
+        eager = sum(not r.get('compiled', True) for r in runs)
+        if job.get('compile') and eager:
             notes.append(f'{eager} trained eager, its compilation having failed')
         notes = f" ({'; '.join(notes)})" if notes else ''
         lines.append(f'{side}  {path}: {len(acc[side])} runs{notes}, final accuracy (flip-TTA, '
@@ -2150,13 +2207,13 @@ class Job:
         all that can be wrong is found here, before any training, and raised as a UserError."""
         args, hyp = self.args, self.hyp
         check_options(args, hyp, self.batch_ranks)
-        if args.json and args.resume and Path(args.json).resolve() != Path(args.resume).resolve():
-            check_new_job_file(args.json)  # --resume A --json B: the whole job goes to B
-        elif args.json and not args.resume:
-            check_new_job_file(args.json)
-        args.json = args.json or args.resume  # a resumed job goes on writing its own file
-        if args.json and self.rank == 0:
-            self.lock = hold_job_file(args.json)  # one writer: a second job on it is refused
+        written = args.json or args.resume  # a resumed job goes on writing its own file
+        if written and self.rank == 0:
+            self.lock = hold_job_file(written)  # one writer: a second job on it is refused
+        same = args.resume and Path(args.json or '').resolve() == Path(args.resume).resolve()
+        if args.json and not same:
+            check_new_job_file(args.json)  # a new job's file, --resume A --json B's B too
+        args.json = written
         job = read_job(args.resume, '--resume') if args.resume else None  # refused before any work
         self.device = pick_device(args.device, self.local_rank if self.world > 1 else None)
         self.compiled, self.channels_last = speed_settings(args, self.device)
@@ -2208,8 +2265,9 @@ class Job:
         self.unprinted, self.started = list(missing), time.perf_counter()
         for run in missing[self.rank::self.world] if self.spread else missing:
             self.train_one(run)
-        if self.mail and self.rank == 0:
-            self.take_in(self.mail.arrived(wait=True))
+        while self.mail and self.rank == 0 and self.mail.pending:  # the other ranks' last runs
+            self.mail.deliver(self.take_in)
+            time.sleep(0.05)
 
     def train_one(self, run):
         """Train run number `run` (seed: the first seed + run - 1) and keep it. Its table prints as
@@ -2223,10 +2281,11 @@ class Job:
             if not self.spread:
                 self.log(table_row(row), flush=True)
             elif self.rank == 0:
-                self.take_in(self.mail.arrived())  # other ranks' runs, between this one's epochs
+                self.mail.deliver(self.take_in)  # other ranks' runs, between this one's epochs
         progress = self.progress.of(f'run {run}/{args.runs}', hyp['epochs'])
         rows = train_run(self.data, self.networks, hyp, seed, on_epoch, progress)
-        failed = len(rows) < hyp['epochs'] or not math.isfinite(rows[-1]['valid_loss'])
+        losses = rows[-1]['train_loss'], rows[-1]['valid_loss']
+        failed = len(rows) < hyp['epochs'] or not all(map(math.isfinite, losses))
         record = dict(run=run, seed=seed, failed=failed, compiled=self.compiled, rows=rows,
                       accuracy=rows[-1]['valid_acc'], time_s=rows[-1]['total_time'])
         if self.spread and self.rank != 0:
@@ -2236,20 +2295,26 @@ class Job:
 
     def take_in(self, records, ema=None):
         """Keep finished runs (this rank's, or gathered by rank 0), print the tables now due, and
-        write the files; ema, the model of the one run this rank just trained, goes to --save."""
-        if not records:
-            return
-        self.runs = sorted(self.runs + records, key=lambda r: r['run'])
+        write the files, Ctrl-C held meanwhile; ema, the model of the one run this rank just
+        trained, goes to --save."""
+        with signals_held():
+            self.runs = sorted(self.runs + records, key=lambda r: r['run'])
+            self.print_due()
+            if self.rank == 0:
+                write_results(self.args, self.context, self.runs, self.summary(), self.hyp, ema,
+                              records[-1] if ema is not None else None)
+
+    def print_due(self, all_finished=False):
+        """Print, in run order, the tables of the finished runs whose turn has come (with
+        all_finished, those after a missing run too). A run trained here printed its rows as it
+        trained, but for a FAILED line; a spread job's runs print whole."""
         done = {r['run']: r for r in self.runs}
-        while self.unprinted and self.unprinted[0] in done:
-            record = done[self.unprinted.pop(0)]
-            if self.spread:
+        while self.unprinted and (self.unprinted[0] in done or all_finished):
+            record = done.get(self.unprinted.pop(0))
+            if record and self.spread:
                 self.log('\n'.join(run_table_lines(record, self.args.runs)), flush=True)
-            elif record['failed']:
+            elif record and record['failed']:
                 self.log(run_table_lines(record, self.args.runs)[-1])  # its rows are printed
-        if self.rank == 0:
-            write_results(self.args, self.context, self.runs, self.summary(), self.hyp, ema,
-                          records[-1] if ema is not None else None)
 
     def summary(self):
         """The summary of the finished runs, with how many were read back by --resume, the job's
@@ -2268,11 +2333,12 @@ class Job:
         return summary
 
     def interrupted(self):
-        self.stopped = True
+        """Ctrl-C, or torchrun stopping the job: keep what has arrived, say so."""
         if sys.stderr.isatty():
             print('\r\033[K', end='', file=sys.stderr)  # wipe a progress line
         if self.mail and self.rank == 0:
-            self.take_in(self.mail.arrived())  # what other ranks finished is kept
+            self.mail.deliver(self.take_in)  # what other ranks finished is kept
+            self.print_due(all_finished=True)
         finished = f': summary of the {len(self.runs)} finished run(s)' if self.runs else ''
         self.log(f'\ninterrupted{finished}')
 
@@ -2289,6 +2355,19 @@ class Job:
         return 1 if any(r['failed'] for r in self.runs) else 0
 
 
+def compare(paths, argv):
+    """--compare A B: print the comparison of two jobs; returns the exit status."""
+    try:
+        beside = [a.split('=')[0] for a in argv if a.startswith('-') and a != '--compare']
+        if beside:
+            raise UserError(f"--compare trains nothing: {', '.join(beside)} would not be used")
+        print('\n'.join(compare_lines(*paths)))
+        return 0
+    except UserError as e:
+        print(f'error: {e}', file=sys.stderr)
+        return 1
+
+
 def main(argv=None):
     """Train --runs models, print the table and the summary; returns the exit status.
 
@@ -2303,15 +2382,7 @@ def main(argv=None):
     except SystemExit as e:  # a usage error (2) or --help (0): a status, also in a notebook
         return e.code
     if args.compare:
-        try:
-            beside = [a.split('=')[0] for a in argv if a.startswith('-') and a != '--compare']
-            if beside:
-                raise UserError(f"--compare trains nothing: {', '.join(beside)} would not be used")
-            print('\n'.join(compare_lines(*args.compare)))
-            return 0
-        except UserError as e:
-            print(f'error: {e}', file=sys.stderr)
-            return 1
+        return compare(args.compare, argv)
     job = Job(args)
     try:
         try:
@@ -2321,12 +2392,16 @@ def main(argv=None):
             return 1
         job.train()
     except KeyboardInterrupt:
-        job.interrupted()
+        job.stopped = True
     finally:
-        job.networks = None  # its DistributedDataParallel model holds the process group
-        leave_process_group()
-        release_job_file(job.lock)
-    return job.finish()
+        with signals_held(discard=job.stopped):  # a job that stops ends whole: Ctrl-C twice too
+            if job.stopped:
+                job.interrupted()
+            job.networks = job.mail = None  # its DDP model and gloo group hold the process group
+            leave_process_group()
+            release_job_file(job.lock)
+    with signals_held(discard=job.stopped):
+        return job.finish()
 
 
 if __name__ == '__main__':
