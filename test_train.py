@@ -2284,6 +2284,56 @@ def test_a_rank_that_fails_stops_the_spread_job_and_what_finished_is_kept(datase
     assert 2 in runs and 4 not in runs                                       # rank 1's first run was sent
 
 
+@pytest.mark.parametrize('discard', [False, True])
+def test_signals_held_defers_ctrl_c_even_when_another_thread_receives_it(discard):
+    """The OS may hand a process's SIGINT to any thread that does not block it (gloo starts
+    several): a signal mask on the main thread alone would let Ctrl-C through mid-block."""
+    stop = threading.Event()
+    other = threading.Thread(target=stop.wait)
+    other.start()
+    try:
+        with pytest.raises(KeyboardInterrupt) if not discard else contextlib.nullcontext():
+            with T.signals_held(discard=discard):
+                for _ in range(3):
+                    os.kill(os.getpid(), signal.SIGINT)
+                    time.sleep(0.05)                                # room for a handler to run
+                reached = True                                      # the block ran to its end
+            time.sleep(0.05)
+        assert reached and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        stop.set()
+        other.join()
+
+
+SPREAD_RANK_1_HANGS = """
+import sys, time
+sys.path.insert(0, {repo!r})
+import train_cifar10 as T
+T.SILENCE_S = 1
+rank, _, _ = T.torchrun_ranks()
+real = T.train_run
+def train_run(data, networks, hyp, seed, *args, **kwargs):
+    if rank == 1 and seed == 3:                    # rank 1's second run, run 4: its machine is lost
+        time.sleep(600)
+    return real(data, networks, hyp, seed, *args, **kwargs)
+T.train_run = train_run
+sys.exit(T.main())
+"""
+
+
+def test_rank_0_does_not_wait_for_good_for_a_rank_gone_silent(dataset, tmp_path):
+    """No launcher may stop the job when another node's rank is lost: rank 0 waits 3 times the
+    longest run (here at least 1 s, not 10 minutes), keeps what came and ends with status 1."""
+    worker = tmp_path / 'worker.py'
+    worker.write_text(SPREAD_RANK_1_HANGS.format(repo=str(SCRIPT.parent)))
+    result = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
+                             str(worker), *SPREAD, '--spread', 'runs', '--data-dir', str(dataset),
+                             '--json', str(tmp_path / 'r.json')], capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0 and 'runs [4] were taken for lost with their ranks' in result.stdout
+    assert [r['run'] for r in T.read_job(tmp_path / 'r.json', '--json')['runs']] == [1, 2, 3]
+    assert 'runs: 3 finished' in result.stdout
+
+
 def test_ctrl_c_stops_every_rank_of_a_spread_job_with_its_runs_on_disk(dataset, tmp_path):
     """Ctrl-C in a terminal signals the whole job, torchrun and each rank, and torchrun then sends
     the ranks SIGTERM too: every rank stops without a traceback, the finished runs are on disk."""

@@ -1265,6 +1265,9 @@ def same_on_every_rank(tensor):
     return tensor
 
 
+SILENCE_S = 600  # the least time rank 0 waits for a silent rank's runs: Job.wait_for_other_ranks
+
+
 class RunMail:
     """Under --spread runs, every rank's finished runs reach rank 0 over a gloo group (CPU tensors,
     whatever the training device): a run's record as JSON in a buffer of fixed size, its first 8
@@ -1297,35 +1300,43 @@ class RunMail:
         dist.send(buffer, 0, group=self.group, tag=record['run'])
 
     def deliver(self, keep):
-        """On rank 0: hand each run that has landed to keep(record), Ctrl-C and SIGTERM held
-        meanwhile, so that a run is either still pending or kept, never lost between the two."""
+        """On rank 0: hand each run that has begun to land to keep(record), Ctrl-C and SIGTERM
+        held meanwhile, so that a run is either still pending or kept, never lost between the two
+        (nor waited for twice, which gloo would wait out). Returns how many were kept."""
+        kept = 0
         for run, (buffer, work) in list(self.pending.items()):
             if not int.from_bytes(bytes(buffer[:8].tolist()), 'little'):
                 continue
-            work.wait()  # landed: returns at once
-            length = int.from_bytes(bytes(buffer[:8].tolist()), 'little')
             with signals_held():
                 del self.pending[run]
+                try:
+                    work.wait()  # the rest of a message that has begun to arrive
+                except (RuntimeError, dist.DistError):  # its rank died sending it
+                    continue
+                length = int.from_bytes(bytes(buffer[:8].tolist()), 'little')
                 keep([with_nans(json.loads(bytes(buffer[8:8 + length].tolist())))])
+                kept += 1
+        return kept
 
 
 @contextlib.contextmanager
 def signals_held(discard=False):
-    """Hold Ctrl-C (SIGINT) and torchrun's stop (SIGTERM) while the block runs, so that what it
-    keeps and writes is whole; with discard, drop those that came meanwhile (the job is already
-    ending). Where signals cannot be held (Windows, another thread), the block runs as it is."""
-    held = {signal.SIGINT, signal.SIGTERM}
-    main_thread = threading.current_thread() is threading.main_thread()
-    if not (hasattr(signal, 'pthread_sigmask') and main_thread):
-        yield
-        return
-    before = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    """Defer Ctrl-C (SIGINT) and torchrun's stop (SIGTERM) to the end of the block, so that what it
+    keeps and writes is whole; with discard, drop them (the job is already ending). Python runs
+    handlers in the main thread whichever thread the OS gave a signal to (gloo's threads take
+    them too), so the handlers are swapped: a signal mask would hold back only this thread's."""
+    held = [s for s in (signal.SIGINT, signal.SIGTERM) if signal.getsignal(s) is not None]
+    if threading.current_thread() is not threading.main_thread():
+        held = []  # only the main thread sets handlers; elsewhere the block runs as it is
+    caught = []
+    before = [signal.signal(s, lambda signum, frame: caught.append(signum)) for s in held]
     try:
         yield
     finally:
-        while discard and signal.sigtimedwait(held, 0):
-            pass
-        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+        for s, handler in zip(held, before):
+            signal.signal(s, handler)
+        if caught and not discard:
+            signal.raise_signal(caught[0])  # now, to the handler it was meant for
 
 
 def stop_as_if_interrupted(signum, frame):
@@ -2265,8 +2276,24 @@ class Job:
         self.unprinted, self.started = list(missing), time.perf_counter()
         for run in missing[self.rank::self.world] if self.spread else missing:
             self.train_one(run)
-        while self.mail and self.rank == 0 and self.mail.pending:  # the other ranks' last runs
-            self.mail.deliver(self.take_in)
+        if self.mail and self.rank == 0:
+            self.wait_for_other_ranks()
+
+    def wait_for_other_ranks(self):
+        """Rank 0, its own runs done: take in the other ranks' last runs as they land. A rank
+        silent for 3 times the longest run so far, and at least 10 minutes, is taken for lost:
+        torchrun stops the job when one of its node's ranks dies, but nothing may watch another
+        node's, and gloo cannot tell rank 0 (which only looks at what has landed)."""
+        last = time.perf_counter()
+        while self.mail.pending:
+            if self.mail.deliver(self.take_in):
+                last = time.perf_counter()
+            patience = max(SILENCE_S, 3 * max(r['time_s'] or 0 for r in self.runs))
+            if time.perf_counter() - last > patience:
+                lost = sorted(self.mail.pending)
+                self.log(f"\nno run has come for {patience / 60:.0f} min: runs {lost} were taken "
+                         'for lost with their ranks; --resume trains them')
+                return
             time.sleep(0.05)
 
     def train_one(self, run):
@@ -2289,7 +2316,8 @@ class Job:
         record = dict(run=run, seed=seed, failed=failed, compiled=self.compiled, rows=rows,
                       accuracy=rows[-1]['valid_acc'], time_s=rows[-1]['total_time'])
         if self.spread and self.rank != 0:
-            self.mail.send(record)
+            with signals_held():  # a finished run is sent whole
+                self.mail.send(record)
         else:
             self.take_in([record], None if failed else self.networks.ema)
 
@@ -2350,9 +2378,9 @@ class Job:
             self.log('\n' + '\n'.join(summary_lines(self.summary())))
         if self.spread and self.rank != 0:
             return 130 if self.stopped else 0
-        if self.stopped or len(self.runs) < self.args.runs:
+        if self.stopped:
             return 130
-        return 1 if any(r['failed'] for r in self.runs) else 0
+        return 1 if len(self.runs) < self.args.runs or any(r['failed'] for r in self.runs) else 0
 
 
 def compare(paths, argv):
@@ -2395,11 +2423,13 @@ def main(argv=None):
         job.stopped = True
     finally:
         with signals_held(discard=job.stopped):  # a job that stops ends whole: Ctrl-C twice too
-            if job.stopped:
-                job.interrupted()
-            job.networks = job.mail = None  # its DDP model and gloo group hold the process group
-            leave_process_group()
-            release_job_file(job.lock)
+            try:
+                if job.stopped:
+                    job.interrupted()
+            finally:
+                job.networks = job.mail = None  # its DDP model, gloo group hold the process group
+                leave_process_group()
+                release_job_file(job.lock)
     with signals_held(discard=job.stopped):
         return job.finish()
 
