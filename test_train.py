@@ -1370,7 +1370,7 @@ def test_resume_refuses_a_different_job_and_leaves_its_file(finished_job, tmp_pa
     (lambda text: text[:len(text) // 2], 3, r'is not whole JSON \(.* at line \d+ of \d+\)'),
     (lambda text: '{"runs": []}', 3, 'is not a --json file of this version of train_cifar10.py'),
     (lambda text: '[1, 2, 3]', 3, 'is not a --json file'),
-    (lambda text: text, 1, 'holds runs up to 2, more than --runs 1'),
+    (lambda text: text, 1, 'holds runs up to 2, more than --runs 1: that job asked for --runs 2$'),
     (None, 3, 'no such file'),
 ])
 def test_resume_refuses_a_file_that_is_not_a_job_of_its_own_in_one_line(finished_job, tmp_path, monkeypatch,
@@ -1602,6 +1602,7 @@ def test_resume_without_tiny_names_each_difference_once(finished_job, tmp_path, 
     assert T.main([o for o in options if o != '--tiny'] + ['--resume', str(path)]) == 1
     err = capsys.readouterr().err
     assert 'None' not in err and 'test_images' not in err and 'batch_size (64 -> 512)' in err
+    assert '(that job -> this one) (that job was --tiny); resume it' in err
     assert path.read_bytes() == text
 
 

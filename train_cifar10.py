@@ -1499,7 +1499,8 @@ def device_description(device):
         return 'Apple MPS'
     isa = os.environ.get('ONEDNN_MAX_CPU_ISA')  # the kernels round differently: part of a job
     kernels = torch.backends.cpu.get_cpu_capability() + (f', oneDNN up to {isa}' if isa else '')
-    return f'CPU ({platform.machine()}, {kernels} kernels, {torch.get_num_threads()} threads)'
+    threads = torch.get_num_threads()
+    return f"CPU ({platform.machine()}, {kernels} kernels, {threads} thread{'s' * (threads != 1)})"
 
 
 def script_hash():
@@ -1974,13 +1975,17 @@ def resumed_runs(job, path, context, runs_requested):
     runs_requested."""
     differences = job_differences(job, context)
     if differences:
+        tiny = {k: v for k, v in json_ready(TINY).items() if k != 'epochs'}
+        is_tiny = [all(json_ready(j)['hyperparameters'].get(k) == v for k, v in tiny.items())
+                   for j in (job, context)]
+        hint = ' (that job was --tiny)' if is_tiny == [True, False] else ''
         raise UserError(f"--resume {path}: that job differs from this one in "
-                        f"{', '.join(differences)} (that job -> this one); resume it with its own "
-                        'options, on its kind of device')
+                        f"{', '.join(differences)} (that job -> this one){hint}; resume it with "
+                        'its own options, on its kind of device')
     runs = job['runs']
     if runs and runs[-1]['run'] > runs_requested:
         raise UserError(f"--resume {path} holds runs up to {runs[-1]['run']}, more than --runs "
-                        f'{runs_requested}')
+                        f"{runs_requested}: that job asked for --runs {job['runs_requested']}")
     return runs
 
 
