@@ -1368,6 +1368,7 @@ def test_resume_refuses_a_different_job_and_leaves_its_file(finished_job, tmp_pa
 
 @pytest.mark.parametrize('content, runs, message', [
     (lambda text: text[:len(text) // 2], 3, r'is not whole JSON \(.* at line \d+ of \d+\)'),
+    (lambda text: text[:text.index('"runs"') + 3], 3, r'whole JSON \(Unterminated string starting at line \d+ of'),
     (lambda text: '{"runs": []}', 3, 'is not a --json file of this version of train_cifar10.py'),
     (lambda text: '[1, 2, 3]', 3, 'is not a --json file'),
     (lambda text: text, 1, 'holds runs up to 2, more than --runs 1: that job asked for --runs 2$'),

@@ -1867,7 +1867,8 @@ def read_job(path, option):
     try:
         job = json.loads(text)
     except json.JSONDecodeError as e:
-        raise UserError(f'{option} {path} is not whole JSON ({e.msg} at line {e.lineno} of '
+        what = e.msg.removesuffix(' at')  # json's "Unterminated string starting at"
+        raise UserError(f'{option} {path} is not whole JSON ({what} at line {e.lineno} of '
                         f'{text.count(chr(10)) + 1}): cut short, or not a --json file; left as it '
                         'is') from None
     problem = job_file_problem(job, older=option == '--compare')
