@@ -2260,27 +2260,34 @@ def test_a_spread_job_that_loses_a_rank_resumes_with_one_rank_or_two(dataset, tm
         assert [without_times(r) for r in T.read_job(copy, '--json')['runs']] == expected
 
 
-SPREAD_RANK_1_FAILS = """
-import sys
+SPREAD_RANK_1_IN_RUN_4 = """
+import sys, time
 sys.path.insert(0, {repo!r})
 import train_cifar10 as T
+T.SILENCE_S = {silence_s}
 rank, _, _ = T.torchrun_ranks()
 real = T.train_run
 def train_run(data, networks, hyp, seed, *args, **kwargs):
     if rank == 1 and seed == 3:                    # rank 1's second run, run 4
-        raise RuntimeError('rank 1 fails in run 4')
+        {action}
     return real(data, networks, hyp, seed, *args, **kwargs)
 T.train_run = train_run
 sys.exit(T.main())
 """
 
 
-def test_a_rank_that_fails_stops_the_spread_job_and_what_finished_is_kept(dataset, tmp_path):
+def spread_job_where_rank_1_in_run_4(action, dataset, tmp_path, silence_s=T.SILENCE_S):
+    """A spread 4-run job on 2 ranks, writing tmp_path / 'r.json', in which rank 1 does `action` (a
+    line of Python) as its second run, run 4, starts; the finished torchrun process."""
     worker = tmp_path / 'worker.py'
-    worker.write_text(SPREAD_RANK_1_FAILS.format(repo=str(SCRIPT.parent)))
-    result = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
-                             str(worker), *SPREAD, '--spread', 'runs', '--data-dir', str(dataset),
-                             '--json', str(tmp_path / 'r.json')], capture_output=True, text=True, timeout=300)
+    worker.write_text(SPREAD_RANK_1_IN_RUN_4.format(repo=str(SCRIPT.parent), action=action, silence_s=silence_s))
+    return subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
+                           str(worker), *SPREAD, '--spread', 'runs', '--data-dir', str(dataset),
+                           '--json', str(tmp_path / 'r.json')], capture_output=True, text=True, timeout=300)
+
+
+def test_a_rank_that_fails_stops_the_spread_job_and_what_finished_is_kept(dataset, tmp_path):
+    result = spread_job_where_rank_1_in_run_4("raise RuntimeError('rank 1 fails in run 4')", dataset, tmp_path)
     assert result.returncode != 0 and 'RuntimeError: rank 1 fails in run 4' in result.stderr
     runs = [r['run'] for r in T.read_job(tmp_path / 'r.json', '--json')['runs']]
     assert 2 in runs and 4 not in runs                                       # rank 1's first run was sent
@@ -2307,30 +2314,11 @@ def test_signals_held_defers_ctrl_c_even_when_another_thread_receives_it(discard
         other.join()
 
 
-SPREAD_RANK_1_HANGS = """
-import sys, time
-sys.path.insert(0, {repo!r})
-import train_cifar10 as T
-T.SILENCE_S = 1
-rank, _, _ = T.torchrun_ranks()
-real = T.train_run
-def train_run(data, networks, hyp, seed, *args, **kwargs):
-    if rank == 1 and seed == 3:                    # rank 1's second run, run 4: its machine is lost
-        time.sleep(600)
-    return real(data, networks, hyp, seed, *args, **kwargs)
-T.train_run = train_run
-sys.exit(T.main())
-"""
-
-
 def test_rank_0_does_not_wait_for_good_for_a_rank_gone_silent(dataset, tmp_path):
     """No launcher may stop the job when another node's rank is lost: rank 0 waits 3 times the
     longest run (here at least 1 s, not 10 minutes), keeps what came and ends with status 1."""
-    worker = tmp_path / 'worker.py'
-    worker.write_text(SPREAD_RANK_1_HANGS.format(repo=str(SCRIPT.parent)))
-    result = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
-                             str(worker), *SPREAD, '--spread', 'runs', '--data-dir', str(dataset),
-                             '--json', str(tmp_path / 'r.json')], capture_output=True, text=True, timeout=300)
+    result = spread_job_where_rank_1_in_run_4('time.sleep(600)  # its machine is lost', dataset, tmp_path,
+                                              silence_s=1)
     assert result.returncode != 0 and 'runs [4] were taken for lost with their ranks' in result.stdout
     assert [r['run'] for r in T.read_job(tmp_path / 'r.json', '--json')['runs']] == [1, 2, 3]
     assert 'runs: 3 finished' in result.stdout

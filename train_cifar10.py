@@ -1965,7 +1965,7 @@ def job_differences(a, b, keys=JOB_KEYS):
             names = [k for k in list(ha) + [k for k in hb if k not in ha] if k not in keys]
             differences += [f'{k} ({short(ha, k)} -> {short(hb, k)})'
                             for k in names if ha.get(k) != hb.get(k)]
-        elif short(a, key) != short(b, key) or a.get(key) != b.get(key):
+        elif (key in a, a.get(key)) != (key in b, b.get(key)):  # a key missing: not recorded
             differences.append(f'{key} ({short(a, key)} -> {short(b, key)})')
     return differences
 
