@@ -6,6 +6,7 @@ With CIFAR10_DIR pointing at a folder that holds cifar-10-batches-py/, also chec
 """
 import atexit
 import contextlib
+import errno
 import gzip
 import hashlib
 import http.server
@@ -767,6 +768,15 @@ def test_the_summary_of_one_run_says_what_it_has_in_plain_units():
                      'time of the run: 9.00 s', 'achieved: 0.75 GFLOP/s of model FLOPs per run']
 
 
+def test_a_summary_says_when_its_runs_are_too_few_for_an_interval():
+    runs = [dict(failed=False, accuracy=a, time_s=1.0) for a in (0.3, 0.7)]
+    summary = T.summarize(runs, count_94=False)
+    summary.update(read_back=1, resumed_from='a.json', wall_s=2.0, runs_per_hour=1800.0, ranks=1)
+    lines = T.summary_lines(summary)
+    assert '95% confidence interval of the mean: too few runs (2) for one: it would reach beyond 0-100 %' in lines
+    assert 'job: 1 run in 2.0 s of wall time after the warm-up, 1800 runs an hour' in lines
+
+
 def test_hyperparameters_are_printed_in_lines_a_terminal_shows_whole():
     hyp = {**T.HYP, **T.TINY}
     header = T.header_lines(hyp, dict(train_images=[0] * 3000, test_images=[0], provenance='x', digest='d'),
@@ -1044,15 +1054,26 @@ def test_speed_settings_for_each_device_size_and_option(device, tiny, option):
     assert channels_last == (device != 'mps')
 
 
+@pytest.fixture
+def tf32_allowed():
+    """cuDNN's default, TF32 allowed, for one test, and the flags as they were after it. Not
+    monkeypatch: torch serves cuBLAS's flag through __getattr__, which pytest 9.2's undo deletes."""
+    flags = (torch.backends.cudnn, torch.backends.cuda.matmul)
+    saved = [backend.allow_tf32 for backend in flags]
+    for backend in flags:
+        backend.allow_tf32 = True
+    yield
+    for backend, value in zip(flags, saved):
+        backend.allow_tf32 = value
+
+
 @pytest.mark.parametrize('device, dtype, capability, evaluation', [
     ('cuda', torch.float16, (9, 0), True), ('cuda', torch.bfloat16, (8, 0), True),
     ('cuda', torch.float16, (7, 0), False), ('cuda', torch.float32, (9, 0), False), ('cpu', torch.float32, None, None)])
-def test_fp32_precision_is_chosen_and_said(monkeypatch, device, dtype, capability, evaluation):
+def test_fp32_precision_is_chosen_and_said(monkeypatch, tf32_allowed, device, dtype, capability, evaluation):
     """On CUDA, training computes fp32 (the whitening fold) without TF32, cuDNN's default included;
     fp16/bf16 training lets only the EMA's evaluation use TF32, on a GPU that has it (8.0 and later:
     a V100, 7.0, has none); a CPU: nothing to choose."""
-    for backend in (torch.backends.cudnn, torch.backends.cuda.matmul):
-        monkeypatch.setattr(backend, 'allow_tf32', True)          # cuDNN's default; restored after the test
     monkeypatch.setattr(torch.cuda, 'get_device_capability', lambda device=None: capability)
     said = T.fp32_precision(torch.device(device), dtype)
     assert T.evaluates_in_tf32(torch.device(device), dtype) == bool(evaluation)
@@ -1079,12 +1100,10 @@ class PrecisionLog(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_training_keeps_the_fold_in_true_fp32_and_only_the_evaluation_uses_tf32(monkeypatch):
+def test_training_keeps_the_fold_in_true_fp32_and_only_the_evaluation_uses_tf32(monkeypatch, tf32_allowed):
     """TF32 rounds to fp16's 10 mantissa bits: in the training step it would undo the fp32 fold of
     the whitening. The flags are read as each convolution and matrix product runs, as CUDA reads
     them; here a CPU stands in for a CUDA GPU that trains in fp16."""
-    for backend in (torch.backends.cudnn, torch.backends.cuda.matmul):
-        monkeypatch.setattr(backend, 'allow_tf32', True)          # restored after the test
     monkeypatch.setattr(T, 'evaluates_in_tf32', lambda device, dtype: True)  # an Ampere or later
     T.fp32_precision(torch.device('cuda'), torch.float16)
     networks, hyp = small_networks()
@@ -1325,6 +1344,58 @@ def test_a_job_killed_mid_way_keeps_its_results_and_resumes_where_it_stopped(dat
     assert paths['r.json'].read_bytes() == text and paths['r.json'].stat().st_mtime_ns == modified
 
 
+@pytest.mark.parametrize('flag', ['--json', '--save'])
+def test_a_full_disk_stops_the_job_in_one_line_and_resume_finishes_it(dataset, tmp_path, monkeypatch, capsys, flag):
+    """The second run's file meets a full disk halfway: one line saying what failed and what to do,
+    a non-zero status, no temporary file, and the job file at its last good version."""
+    job, model = tmp_path / 'job.json', tmp_path / 'model.pt'
+    options = ['--tiny', '--epochs', '1', '--data-dir', str(dataset), '--runs', '3', '--save', str(model)]
+    failing = job if flag == '--json' else model
+    write_bytes, writes = Path.write_bytes, []
+
+    def full_disk(self, data):
+        if self.name.startswith(f'.{failing.name}.'):
+            writes.append(self)
+            if len(writes) == 2:
+                write_bytes(self, data[:len(data) // 2])
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return write_bytes(self, data)
+    monkeypatch.setattr(Path, 'write_bytes', full_disk)
+    assert T.main([*options, '--json', str(job)]) == 1
+    out, err = capsys.readouterr()
+    assert err.strip().splitlines()[-1] == (f'error: cannot write {flag} {failing} (No space left on device): the '
+                                            f'job stopped; fix that, then --resume {job} trains the runs it lacks')
+    assert 'Traceback' not in err and 'runs: 2 finished' in out
+    assert [run['run'] for run in json.loads(job.read_text())['runs']] == ([1] if flag == '--json' else [1, 2])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['job.json', 'model.pt']
+    monkeypatch.undo()
+    assert T.main([*options, '--resume', str(job)]) == 0
+    assert [run['run'] for run in json.loads(job.read_text())['runs']] == [1, 2, 3]
+
+
+def test_a_closed_output_stops_the_job_quietly_and_keeps_its_finished_runs(dataset, tmp_path):
+    """`train_cifar10.py ... | head`: the job stops at its next line as Unix tools do (status 141,
+    128 + SIGPIPE), with no traceback and the runs it finished in its file; --compare too."""
+    job = tmp_path / 'job.json'
+    child = subprocess.Popen([sys.executable, str(SCRIPT), '--tiny', '--epochs', '1', '--data-dir', str(dataset),
+                              '--runs', '3', '--json', str(job)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in child.stdout:
+        if line.startswith('run 2/3'):
+            break
+    child.stdout.close()
+    assert child.wait(timeout=300) == 141 and child.stderr.read() == ''
+    assert [run['run'] for run in json.loads(job.read_text())['runs']] in ([1], [1, 2])
+    a, b = tmp_path / 'a.json', tmp_path / 'b.json'
+    a.write_text(json.dumps(job_with(job, [0.3, 0.4])))
+    b.write_text(json.dumps(job_with(job, [0.5, 0.7])))
+    read_end, write_end = os.pipe()
+    os.close(read_end)                                            # closed before anything is written
+    result = subprocess.run([sys.executable, str(SCRIPT), '--compare', str(a), str(b)], stdout=write_end,
+                            stderr=subprocess.PIPE, text=True, timeout=300)
+    os.close(write_end)
+    assert result.returncode == 141 and result.stderr == ''
+
+
 @pytest.fixture(scope='module')
 def finished_job(dataset, tmp_path_factory):
     """The --json file of a finished 2-run --tiny job of one epoch, and the options that made it."""
@@ -1504,6 +1575,15 @@ def test_compare_refuses_what_cannot_be_compared_in_one_line(finished_job, tmp_p
     assert f'error: --compare {b} is not whole JSON' in capsys.readouterr().err
 
 
+def test_compare_refuses_a_job_compared_with_itself(finished_job, tmp_path, capsys):
+    source, _ = finished_job
+    copy = tmp_path / 'copy.json'
+    shutil.copy(source, copy)
+    for other in (source, copy):
+        assert T.main(['--compare', str(source), str(other)]) == 1
+        assert f'and {other} hold the same runs (one job twice?)' in capsys.readouterr().err
+
+
 # ---------------------------------------------------------------------------------------------
 # A job file is never lost or misread
 # ---------------------------------------------------------------------------------------------
@@ -1587,6 +1667,11 @@ def test_every_setting_that_changes_a_runs_numbers_is_part_of_the_job(finished_j
     no_training(monkeypatch)
     assert T.main([*options, '--runs', '3', '--compile', '--resume', str(path)]) == 1
     assert 'differs from this one in compile (False -> True)' in capsys.readouterr().err
+    threads = torch.get_num_threads()
+    with monkeypatch.context() as patch:
+        patch.setattr(torch, 'get_num_threads', lambda: threads + 1)
+        assert T.main([*options, '--runs', '3', '--resume', str(path)]) == 1
+    assert f"(OMP_NUM_THREADS={threads} gives this machine that job's threads)" in capsys.readouterr().err
     other = next(c for c in ('AVX512', 'AVX2') if c != torch.backends.cpu.get_cpu_capability())
     monkeypatch.setattr(torch.backends.cpu, 'get_cpu_capability', lambda: other)  # not the job's
     assert T.main([*options, '--runs', '3', '--resume', str(path)]) == 1
@@ -2258,6 +2343,8 @@ def test_a_spread_job_that_loses_a_rank_resumes_with_one_rank_or_two(dataset, tm
         else:
             resumed = spread_job(dataset, tmp_path, '--resume', copy)
         assert resumed.returncode == 0, resumed.stderr
+        assert ('note: --spread runs shares the runs among the ranks that torchrun starts; this is one process, '
+                'which trains them all') in resumed.stderr or ranks == 2
         assert [without_times(r) for r in T.read_job(copy, '--json')['runs']] == expected
 
 

@@ -738,6 +738,8 @@ def extract(archive, data_dir):
             raise UserError(f'{archive} holds no {BATCHES_DIR}/: not the CIFAR-10 python archive')
         os.replace(os.path.join(staging, BATCHES_DIR), data_dir / BATCHES_DIR)
     except (tarfile.TarError, EOFError, OSError) as e:  # zlib.error is an OSError subclass here
+        if isinstance(e, OSError) and e.errno:  # the system's, not the archive's: a full disk
+            raise UserError(f'cannot extract {archive} into {data_dir} ({e.strerror})') from None
         raise UserError(f'{archive} is truncated or corrupt ({e}): delete it, run again') from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -1468,7 +1470,9 @@ def summary_lines(s):
         lines.append(f"accuracy (flip-TTA, EMA): mean {100 * s['acc_mean']:.2f} %, "
                      f"standard deviation {100 * s['acc_std']:.2f} %")
         low, high = s['acc_ci95']
-        lines.append(f'95% confidence interval of the mean: [{100 * low:.2f}, {100 * high:.2f}] %')
+        interval = (f'[{100 * low:.2f}, {100 * high:.2f}] %' if 0 <= low and high <= 1 else
+                    f"too few runs ({s['finished']}) for one: it would reach beyond 0-100 %")
+        lines.append(f'95% confidence interval of the mean: {interval}')
         reached = (f";  runs >= 94%: {s['reached_94']} of {s['finished']}" if 'reached_94' in s
                    else '')
         lines.append(f"min / median / max: {100 * s['acc_min']:.2f} / {100 * s['acc_median']:.2f} "
@@ -1477,7 +1481,8 @@ def summary_lines(s):
                      f"{s['time_median_s']:.2f} s, max {s['time_max_s']:.2f} s")
     if 'runs_per_hour' in s:
         ranks = f" over {s['ranks']} ranks" if s['ranks'] > 1 else ''
-        lines.append(f"job: {s['runs'] - s.get('read_back', 0)} runs in {s['wall_s']:.1f} s of "
+        trained = s['runs'] - s.get('read_back', 0)
+        lines.append(f"job: {trained} run{'s' * (trained != 1)} in {s['wall_s']:.1f} s of "
                      f"wall time after the warm-up{ranks}, {s['runs_per_hour']:.0f} runs an hour")
     if 'cost_per_run_usd' in s:
         lines.append(f"cost per run: ${s['cost_per_run_usd']:.5f}")
@@ -1712,17 +1717,18 @@ def runs_for_power(diff, std_a, std_b, power=0.8, alpha=0.05, most=10 ** 5):
 # =============================================================================================
 # Job files: written after every run, read back by --resume, compared by --compare
 # =============================================================================================
-def write_atomically(path, write):
-    """Write through a temporary file beside path, so that an interrupted write leaves nothing."""
+def write_atomically(path, data, flag):
+    """Write bytes through a temporary file beside path, so that a write cut short (a full disk, a
+    kill) leaves path as it was; a failure is a UserError that names the option and the cause."""
     path = Path(path)
     tmp = path.with_name(f'.{path.name}.{os.getpid()}.part')
     try:
-        with open(tmp, 'wb') as f:
-            write(f)
+        tmp.write_bytes(data)
         os.replace(tmp, path)
+    except OSError as e:
+        raise UserError(f'cannot write {flag} {path} ({e.strerror or e})') from None
     finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+        tmp.unlink(missing_ok=True)
 
 
 def json_ready(x):
@@ -1742,18 +1748,20 @@ def write_results(args, context, runs, summary, hyp, ema=None, ema_run=None):
         report = dict(context, runs_finished=len(runs), runs_requested=args.runs, runs=runs,
                       summary=summary)
         text = json.dumps(json_ready(report), indent=1, allow_nan=False)
-        write_atomically(args.json, lambda f: f.write(text.encode()))
+        write_atomically(args.json, text.encode(), '--json')
     if args.log_tsv:
         lines = ['epoch\thours\ttop1Accuracy'] + [
             f"{row['epoch']}\t{row['total_time'] / 3600:.6f}\t{100 * row['valid_acc']:.2f}"
             for run in runs for row in run['rows']]
-        write_atomically(args.log_tsv, lambda f: f.write(('\n'.join(lines) + '\n').encode()))
+        write_atomically(args.log_tsv, ('\n'.join(lines) + '\n').encode(), '--log-tsv')
     if args.save and ema is not None:
         # what it takes to rebuild and evaluate the model, data aside (README: Use a saved model)
         checkpoint = dict(state_dict={k: v.cpu() for k, v in ema.state_dict().items()},
                           hyperparameters=hyp, classes=CLASSES, mean=CIFAR10_MEAN, std=CIFAR10_STD,
                           run=ema_run['run'], seed=ema_run['seed'], accuracy=ema_run['accuracy'])
-        write_atomically(args.save, lambda f: torch.save(checkpoint, f))
+        buffer = io.BytesIO()  # in memory first: torch.save's failures on a full disk are odd
+        torch.save(checkpoint, buffer)
+        write_atomically(args.save, buffer.getvalue(), '--save')
 
 
 # A job's identity: what --resume refuses to mix, and what --compare shows where two jobs differ.
@@ -1980,6 +1988,9 @@ def resumed_runs(job, path, context, runs_requested):
         is_tiny = [all(json_ready(j)['hyperparameters'].get(k) == v for k, v in tiny.items())
                    for j in (job, context)]
         hint = ' (that job was --tiny)' if is_tiny == [True, False] else ''
+        threads = [re.fullmatch(r'(CPU .*), (\d+) threads?\)', j['device']) for j in (job, context)]
+        if all(threads) and threads[0][1] == threads[1][1] and job['device'] != context['device']:
+            hint += f' (OMP_NUM_THREADS={threads[0][2]} gives this machine that job\'s threads)'
         raise UserError(f"--resume {path}: that job differs from this one in "
                         f"{', '.join(differences)} (that job -> this one){hint}; resume it with "
                         'its own options, on its kind of device')
@@ -2037,6 +2048,9 @@ def compare_lines(path_a, path_b):
         if a[key] != b[key]:
             raise UserError(f'--compare: the two jobs did not test on the same data ({key}: '
                             f'{a[key]} -> {b[key]}); their accuracies are not comparable')
+    if json_ready(a['runs']) == json_ready(b['runs']):  # NaN as null, so that NaN equals NaN
+        raise UserError(f'--compare: {path_a} and {path_b} hold the same runs (one job twice?): '
+                        'nothing to compare')
     acc, lines = {}, []
     for side, path, job in (('A', path_a, a), ('B', path_b, b)):
         runs = job['runs']
@@ -2224,6 +2238,9 @@ class Job:
         all that can be wrong is found here, before any training, and raised as a UserError."""
         args, hyp = self.args, self.hyp
         check_options(args, hyp, self.batch_ranks)
+        if args.spread == 'runs' and self.world == 1:
+            print('note: --spread runs shares the runs among the ranks that torchrun starts; this '
+                  'is one process, which trains them all', file=sys.stderr)
         written = args.json or args.resume  # a resumed job goes on writing its own file
         if written and self.rank == 0:
             self.lock = hold_job_file(written)  # one writer: a second job on it is refused
@@ -2335,8 +2352,13 @@ class Job:
             self.runs = sorted(self.runs + records, key=lambda r: r['run'])
             self.print_due()
             if self.rank == 0:
-                write_results(self.args, self.context, self.runs, self.summary(), self.hyp, ema,
-                              records[-1] if ema is not None else None)
+                try:
+                    write_results(self.args, self.context, self.runs, self.summary(), self.hyp,
+                                  ema, records[-1] if ema is not None else None)
+                except UserError as e:
+                    rest = (f'; fix that, then --resume {self.args.json} trains the runs it lacks'
+                            if self.args.json else '')
+                    raise UserError(f'{e}: the job stopped{rest}') from None
 
     def print_due(self, all_finished=False):
         """Print, in run order, the tables of the finished runs whose turn has come (with
@@ -2417,14 +2439,13 @@ def main(argv=None):
         return e.code
     if args.compare:
         return compare(args.compare, argv)
-    job = Job(args)
+    job, error = Job(args), False
     try:
-        try:
-            job.set_up()
-        except UserError as e:  # torchrun stops the other ranks when one exits with an error
-            print(f"error{f' (rank {job.rank})' if job.world > 1 else ''}: {e}", file=sys.stderr)
-            return 1
+        job.set_up()
         job.train()
+    except UserError as e:  # torchrun stops the other ranks when one exits with an error
+        print(f"error{f' (rank {job.rank})' if job.world > 1 else ''}: {e}", file=sys.stderr)
+        error = True
     except KeyboardInterrupt:
         job.stopped = True
     finally:
@@ -2437,10 +2458,18 @@ def main(argv=None):
                 leave_process_group()
                 release_job_file(job.lock)
     with signals_held(discard=job.stopped):
-        return job.finish()
+        status = job.finish()
+    return 1 if error else status
 
 
 if __name__ == '__main__':
-    status = main()
+    try:
+        status = main()
+        sys.stdout.flush()  # here, not at exit: a closed pipe then fails inside the try
+    except BrokenPipeError:  # the reader left (`| head`): stop quietly, as Unix tools do
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.dup2(devnull, sys.stderr.fileno())
+        status = 141  # 128 + SIGPIPE: what a shell reports for a tool that a closed pipe stopped
     if status and not in_notebook_cell():  # SystemExit in a cell would print a traceback
         sys.exit(status)
