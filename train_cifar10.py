@@ -44,6 +44,7 @@ import signal
 import sys
 import tarfile
 import tempfile
+import textwrap
 import threading
 import time
 import urllib.error
@@ -549,10 +550,9 @@ class Networks:
         self.optimiser.reset()
 
 
-def train_epoch(networks, images, labels, epoch, steps, hyp, progress=None):
+def train_epoch(networks, images, labels, epoch, steps, hyp):
     """One pass over the shuffled batches: their summed loss, correct count and the last step's lr.
-    Both sums stay on the device: nothing in an epoch waits for it. progress(epoch, step, steps)
-    hears of each step.
+    Both sums stay on the device: nothing in an epoch waits for it.
 
     Each step reads the schedule at its own end, so the first already has a non-zero rate. The EMA
     is updated after batches 0, 5, 10, ... of every epoch, the first included (Page's phase: 20
@@ -577,8 +577,6 @@ def train_epoch(networks, images, labels, epoch, steps, hyp, progress=None):
             ema_update(*networks.averaged_and_trained, hyp['ema_momentum'] ** hyp['ema_every'])
         loss_sum += loss.detach()
         correct += (logits.argmax(1) == y).sum()
-        if progress:
-            progress(epoch, i + 1, steps)
     return loss_sum, correct, lr
 
 
@@ -614,8 +612,7 @@ def evaluate(networks, images, labels, hyp):
 # =============================================================================================
 # 6. One run, timed by the DAWNBench rule
 # =============================================================================================
-def train_run(data, networks, hyp, seed, on_epoch, progress=None, steps_per_epoch=None,
-              test_batches=None):
+def train_run(data, networks, hyp, seed, on_epoch, steps_per_epoch=None, test_batches=None):
     """Train one model from the uint8 arrays and return its rows, one an epoch; networks.ema then
     holds the run's EMA model. steps_per_epoch and test_batches (the last ones) cut a run short.
 
@@ -640,8 +637,7 @@ def train_run(data, networks, hyp, seed, on_epoch, progress=None, steps_per_epoc
                                                 *rank_and_world())
         images = images.contiguous(memory_format=networks.memory_format)
         steps = min(steps, steps_per_epoch or steps)
-        train_loss, train_correct, lr = train_epoch(networks, images, labels, epoch, steps, hyp,
-                                                    progress)
+        train_loss, train_correct, lr = train_epoch(networks, images, labels, epoch, steps, hyp)
         train_time = synced_clock(device) - start
         start = time.perf_counter()
         valid_loss, valid_correct = evaluate(networks, test, test_labels, hyp)
@@ -991,7 +987,7 @@ def speed_settings(args, device):
 # =============================================================================================
 # Compilation: compiled before the warm-up, checked against eager, eager if it fails
 # =============================================================================================
-def compiled_warm_up(data, hyp, device, dtype, compiled, channels_last, progress, log):
+def compiled_warm_up(data, hyp, device, dtype, compiled, channels_last, log):
     """Build the networks, compile them if asked, and warm them up; returns them and whether they
     are compiled. A compilation that fails (no C++ compiler, no Triton, a damaged cache), or whose
     training step disagrees with eager's, is said in one line, and training goes on eager: on every
@@ -1015,7 +1011,7 @@ def compiled_warm_up(data, hyp, device, dtype, compiled, channels_last, progress
         else:
             log(f'torch.compile: {time.perf_counter() - start:.1f} s, and its training step '
                 "checked against eager, before the warm-up, outside every run's time")
-    warm_up(data, networks, hyp, progress)
+    warm_up(data, networks, hyp)
     return networks, compiled
 
 
@@ -1316,7 +1312,7 @@ class RunMail:
                 except (RuntimeError, dist.DistError):  # its rank died sending it
                     continue
                 length = int.from_bytes(bytes(buffer[:8].tolist()), 'little')
-                keep([with_nans(json.loads(bytes(buffer[8:8 + length].tolist())))])
+                keep([json.loads(bytes(buffer[8:8 + length].tolist()))])
                 kept += 1
         return kept
 
@@ -1361,14 +1357,14 @@ def synced_clock(device):
     return time.perf_counter()
 
 
-def warm_up(data, networks, hyp, progress=None):
+def warm_up(data, networks, hyp):
     """A throwaway run before the first clock starts, so that one-off costs (the CUDA context,
     cuDNN's algorithm search for each shape, first allocations) are not charged to run 1. It is
     a run on all the data (the same uploads, padding, whitening patches and augmentation buffers,
     so the allocator holds blocks of every size a run asks for) cut to 2 training steps and the
     last two evaluation batches (the runs' batch shapes: a full one and the shorter last one)."""
     train_run(data, networks, {**hyp, 'epochs': 1}, seed=0, on_epoch=lambda row: None,
-              progress=progress, steps_per_epoch=2, test_batches=2)
+              steps_per_epoch=2, test_batches=2)
 
 
 # =============================================================================================
@@ -1387,19 +1383,6 @@ def table_row(row):
     return table_line([row[c.replace(' ', '_')] for c in COLUMNS])
 
 
-def items_in_lines(first, items, width=100):
-    """`first`, then comma-separated items, wrapped between items into lines of at most width
-    characters (unless one item is longer), the lines after the first indented by 4."""
-    lines, line = [], first
-    for i, item in enumerate(items):
-        item += ',' if i < len(items) - 1 else ''
-        if len(line) + 1 + len(item) > width and line.strip():
-            lines.append(line)
-            line = '   '
-        line += ' ' + item
-    return lines + [line]
-
-
 def header_lines(hyp, data, device, dtype, seed, flops, peak, world, fp32_math=None, spread=False):
     """What a log must say before its first row: the script's version, the software and device,
     how the ranks share the job, the settings, the data's provenance, the model FLOPs of a run."""
@@ -1414,7 +1397,8 @@ def header_lines(hyp, data, device, dtype, seed, flops, peak, world, fp32_math=N
             f'{device_description(device)}{ranks}',
             f"dtype {str(dtype).replace('torch.', '')} (batch norm fp32, EMA fp32{fp32}) | seed "
             f"{seed} | {len(data['train_images'])} train / {len(data['test_images'])} test images",
-            *items_in_lines('hyperparameters:', [f'{k}={v}' for k, v in hyp.items()]),
+            *textwrap.wrap(', '.join(f'{k}={v}' for k, v in hyp.items()), 100, break_long_words=False,
+                           initial_indent='hyperparameters: ', subsequent_indent='    '),
             f"data: {data['provenance']} (files' digest {data['digest']})",
             f"model FLOPs: {tflop['step']} a training step x {flops['steps']} steps + "
             f"{tflop['whitening']} whitening = {tflop['run']} a run (timed); "
@@ -1579,103 +1563,40 @@ def peak_tflops(device, dtype, given=None):
                 None)
 
 
-class Progress:
-    """One rewritten line on stderr while an epoch trains: step k of n, images/s, time left.
-
-    Shown only when stderr is a terminal, so a piped log never holds it, and rewritten at most
-    once a second, so a GPU's sub-second epochs show nothing. It reads the host's clock, never
-    the device's: it adds no sync. clear() wipes it before the table's next row.
-    """
-
-    def __init__(self, enabled, images_per_step):
-        self.enabled, self.images_per_step = enabled, images_per_step
-        self.label, self.epochs, self.shown, self.start, self.last = '', 0, False, 0.0, 0.0
-
-    def of(self, label, epochs):
-        """This progress line, for what is labelled so and trains for that many epochs."""
-        self.label, self.epochs = label, epochs
-        return self
-
-    def __call__(self, epoch, step, steps):
-        if not self.enabled:
-            return
-        now = time.perf_counter()
-        if step == 1:
-            self.start = now  # the rate is timed from the end of step 1, after one-off costs
-        elif now - self.last < 1 and step < steps:
-            return
-        self.last = now
-        line = f'{self.label}, epoch {epoch}/{self.epochs}: step {step}/{steps}'
-        if step > 1:
-            rate = (step - 1) * self.images_per_step / (now - self.start)
-            left = (steps - step) * self.images_per_step / rate
-            left = f'{left:.0f} s' if left < 120 else f'{left / 60:.0f} min'
-            line += (f', {rate:.0f} images/s, {left} left in the epoch' if step < steps else
-                     ', evaluating')
-        print(f'\r\033[K{line}', end='', file=sys.stderr, flush=True)
-        self.shown = True
-
-    def clear(self):
-        if self.shown:
-            print('\r\033[K', end='', file=sys.stderr, flush=True)
-            self.shown = False
-
-
 # =============================================================================================
 # Statistics: the t distribution, Welch's comparison, the runs a comparison needs
 # =============================================================================================
-def incomplete_beta(a, b, x):
-    """The regularised incomplete beta function I_x(a, b) by its continued fraction
-    I_x(a, b) = x^a (1 - x)^b / (a B(a, b)) / (1 + d1 / (1 + d2 / (1 + ...))), evaluated with
-    Lentz's method. The fraction converges fast for x < (a + 1) / (a + b + 2); above that the
-    symmetry I_x(a, b) = 1 - I_(1-x)(b, a) brings x there."""
-    if x <= 0 or x >= 1:
-        return float(x >= 1)
-    mirrored = x > (a + 1) / (a + b + 2)
+def t_cdf(t, df):
+    """P(T <= t) for Student's t with df > 0 degrees of freedom. Its tail is I_x(df/2, 1/2) / 2,
+    x = df / (df + t^2), the regularised incomplete beta function, from its continued fraction by
+    Lentz's method (Numerical Recipes 6.4); computed directly, so that a small p keeps its digits."""
+    if t == 0:
+        return 0.5
+    a, b, x = df / 2, 0.5, df / (df + t * t)
+    mirrored = x > (a + 1) / (a + b + 2)  # beyond, the fraction is slow: I_x(a, b) = 1 - I_1-x(b, a)
     if mirrored:
-        a, b, x = b, a, 1 - x
-    log_front = (math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x)
-                 + b * math.log1p(-x))
-    front = math.exp(log_front) / a
-    tiny = 1e-300  # keeps Lentz's ratios finite when a partial denominator is zero
-    c, d = 1.0, 1 / (1 - (a + b) * x / (a + 1))  # the fraction's first term, d1
-    fraction = d
-    for i in range(1, 10000):
-        m = i // 2 if i % 2 == 0 else i // 2 + 1  # d_2m and d_2m+1 alternate: even and odd terms
-        if i % 2:
-            term = m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m))
-        else:
-            term = -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))
-        d = 1 / (1 + term * d if abs(1 + term * d) > tiny else tiny)
-        c = 1 + term / c if abs(1 + term / c) > tiny else tiny
+        a, b, x = b, a, t * t / (df + t * t)
+    c, d, fraction = math.inf, 1.0, 1.0
+    for i in range(1, 1000):
+        m = i // 2
+        term = (m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)) if i % 2 == 0 else
+                -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1)))
+        d = 1 / ((1 + term * d) or 1e-300)
+        c = (1 + term / c) or 1e-300
         fraction *= c * d
         if abs(c * d - 1) < 1e-15:
             break
-    else:
-        raise ArithmeticError(f'the incomplete beta fraction did not converge: a={a}, b={b}, x={x}')
-    value = front * fraction
-    return 1 - value if mirrored else value
-
-
-def t_cdf(t, df):
-    """P(T <= t) for Student's t distribution with df (any positive real) degrees of freedom:
-    its tail is I_x(df/2, 1/2) / 2 with x = df / (df + t^2), computed directly (no 1 - p), so
-    small p-values keep their digits."""
-    tail = 0.5 * incomplete_beta(df / 2, 0.5, df / (df + t * t))
+    log_front = math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x)
+    beta = math.exp(log_front + b * math.log1p(-x)) / a * fraction
+    tail = (1 - beta if mirrored else beta) / 2
     return 1 - tail if t > 0 else tail
 
 
 def t_quantile(p, df):
-    """The t with t_cdf(t, df) = p, 0 < p < 1, by bisection."""
-    low, high = -1.0, 1.0
-    while t_cdf(low, df) > p:
-        low *= 2
-    while t_cdf(high, df) < p:
-        high *= 2
-    for _ in range(200):
+    """The t with t_cdf(t, df) = p, by bisection."""
+    low, high = -1e6, 1e6
+    for _ in range(100):  # to within 2e6 / 2^100
         mid = (low + high) / 2
-        if mid in (low, high):
-            break
         low, high = (mid, high) if t_cdf(mid, df) < p else (low, mid)
     return (low + high) / 2
 
@@ -1691,26 +1612,22 @@ def welch(a, b):
     return dict(diff=diff, se=se, df=df, ci95=(diff - half_width, diff + half_width), p=p)
 
 
-def runs_for_power(diff, std_a, std_b, power=0.8, alpha=0.05, most=10 ** 5):
-    """Runs per side for a two-sided Welch test at level alpha to find a true difference diff with
-    the given power, when the two sides spread as std_a and std_b. The power of n runs a side is
-    the chance that the t statistic, centred on diff / se(n), passes the critical value: the usual
-    approximation of the noncentral t by a shifted central t, which leaves out the chance of
-    passing the other critical value (< 0.001 at 80 % power). None if more than `most` are
-    needed."""
+def runs_for_power(diff, std_a, std_b, power=0.8, most=100_000):
+    """Runs a side for Welch's test at the 5 % level to find a true difference diff with this
+    power, when the sides spread as std_a and std_b: the first n whose t statistic, centred on
+    diff / se(n), passes the critical value that often (the usual shifted-t approximation of the
+    noncentral t). None if more than `most` are needed."""
     def enough(n):
+        df = (n - 1) * (std_a ** 2 + std_b ** 2) ** 2 / (std_a ** 4 + std_b ** 4)
         se = math.sqrt((std_a ** 2 + std_b ** 2) / n)
-        df = (std_a ** 2 + std_b ** 2) ** 2 / ((std_a ** 4 + std_b ** 4) / (n - 1))
-        return t_cdf(abs(diff) / se - t_quantile(1 - alpha / 2, df), df) >= power
+        return t_cdf(abs(diff) / se - t_quantile(0.975, df), df) >= power
 
     if not enough(most):
         return None
-    low, high = 1, 2  # power grows with n: the first n that is enough, by doubling then halving
-    while not enough(high):
-        low, high = high, 2 * high
+    low, high = 1, most  # enough(high), not enough(low): bisect, as power grows with n
     while high - low > 1:
         mid = (low + high) // 2
-        low, high = (mid, high) if not enough(mid) else (low, mid)
+        low, high = (low, mid) if enough(mid) else (mid, high)
     return high
 
 
@@ -1745,10 +1662,9 @@ def write_results(args, context, runs, summary, hyp, ema=None, ema_run=None):
     so far, each atomically. Called after every run, so that a crash, a kill or a lost notebook
     kernel at run 37 keeps runs 1-36."""
     if args.json:
-        report = dict(context, runs_finished=len(runs), runs_requested=args.runs, runs=runs,
-                      summary=summary)
-        text = json.dumps(json_ready(report), indent=1, allow_nan=False)
-        write_atomically(args.json, text.encode(), '--json')
+        job = dict(context, runs_finished=len(runs), runs_requested=args.runs, runs=runs,
+                   summary=summary)
+        write_atomically(args.json, job_file_text(job).encode(), '--json')
     if args.log_tsv:
         lines = ['epoch\thours\ttop1Accuracy'] + [
             f"{row['epoch']}\t{row['total_time'] / 3600:.6f}\t{100 * row['valid_acc']:.2f}"
@@ -1764,154 +1680,59 @@ def write_results(args, context, runs, summary, hyp, ema=None, ema_run=None):
         write_atomically(args.save, buffer.getvalue(), '--save')
 
 
+JOB_FORMAT = 'train_cifar10.py job, format 2'  # format 1: the files of versions before 2026-11-24
 # A job's identity: what --resume refuses to mix, and what --compare shows where two jobs differ.
 # Every setting that can change a run's numbers is one (on a CPU the device names the kernels and
 # the threads); compile is the one asked for, and each run records whether it trained compiled.
 DATA_KEYS = ('data', 'data_digest', 'test_images')
 JOB_KEYS = ('script_sha256', 'torch', 'device', 'ranks', 'dtype', 'fp32_math', 'compile',
             'channels_last', 'hyperparameters', 'seed', 'train_images', *DATA_KEYS)
-ROW_KEYS = tuple(c.replace(' ', '_') for c in COLUMNS)
 
 
-# Settings that older versions did not write: --compare reads their files without them.
-NEWER_KEYS = ('fp32_math', 'compile', 'channels_last', 'compiled')
+def job_sha256(job):
+    return hashlib.sha256(json.dumps(job, sort_keys=True).encode()).hexdigest()
 
 
-def job_file_problem(job, older=False):
-    """What keeps a parsed --json file from being a whole job of this script, in a few words (None
-    if nothing): its settings, and each of its runs once, in order, with its seed and a row per
-    epoch of numbers, finite unless the run is marked failed. older: a file of an older version,
-    without NEWER_KEYS, passes too."""
-    if not isinstance(job, dict):
-        return 'not a JSON object'
-    types = dict(script_sha256=str, torch=str, device=str, ranks=int, dtype=str,
-                 fp32_math=(str, type(None)), compile=bool, channels_last=bool,
-                 hyperparameters=dict, seed=int, data=str, data_digest=str, train_images=int,
-                 test_images=int, runs_requested=int, runs_finished=int, runs=list, summary=dict)
-    if older:
-        types = {k: v for k, v in types.items() if k not in NEWER_KEYS or k in job}
-    problem = wrong_field(job, types)
-    if problem:
-        return problem
-    epochs = job['hyperparameters'].get('epochs')
-    if not (of_kind(epochs, int) and epochs >= 1):
-        return f'"epochs" is {epochs}'
-    for run in job['runs']:
-        problem = run_problem(run, job['seed'], epochs, older)
-        if problem:
-            return f"run {run.get('run') if isinstance(run, dict) else '?'}: {problem}"
-    numbers = [run['run'] for run in job['runs']]
-    if numbers != sorted(set(numbers)):
-        return 'its runs repeat one, or are out of order'
-    if job['runs_finished'] != len(numbers):
-        return f"\"runs_finished\" is {job['runs_finished']}, but it holds {len(numbers)} runs"
-    return None
-
-
-def of_kind(value, kind):
-    """isinstance for a value read from JSON, in which true and false are no numbers."""
-    return isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
-
-
-def wrong_field(record, types):
-    """'no "key"' or '"key" is value' for the first field of a JSON object missing or of a wrong
-    type; None if every field is there, of its type."""
-    for key, kind in types.items():
-        if key not in record:
-            return f'no "{key}"'
-        if not of_kind(record[key], kind):
-            return f'"{key}" is {json.dumps(record[key])[:20]}'
-    return None
-
-
-def run_problem(run, seed, epochs, older=False):
-    """What is wrong with one run's record (see job_file_problem), or None."""
-    if not isinstance(run, dict):
-        return 'not a JSON object'
-    number, maybe = (int, float), (int, float, type(None))
-    types = dict(run=int, seed=int, failed=bool, compiled=bool, rows=list, accuracy=maybe,
-                 time_s=maybe)
-    problem = wrong_field(run, {k: v for k, v in types.items()
-                                if not (older and k in NEWER_KEYS and k not in run)})
-    if problem:
-        return problem
-    if run['run'] < 1 or run['seed'] != seed + run['run'] - 1:
-        return f"seed {run['seed']}, where run {run['run']} of a job from seed {seed} has its own"
-    rows = run['rows']
-    if not 1 <= len(rows) <= epochs:
-        return f'{len(rows)} rows for {epochs} epochs'
-    for epoch, row in enumerate(rows, 1):
-        if not (isinstance(row, dict) and tuple(row) == ROW_KEYS and row['epoch'] == epoch):
-            return f'row {epoch} is not the row of epoch {epoch}'
-        if not all(of_kind(v, maybe) for v in row.values()):
-            return f'row {epoch} holds something that is not a number'
-    if run['failed']:
-        last = rows[-1]
-        diverged = len(rows) < epochs or last['valid_loss'] is None or last['train_loss'] is None
-        return None if diverged else 'marked failed, but its loss never became NaN'
-    if len(rows) < epochs:
-        return f'{len(rows)} rows for {epochs} epochs, and not marked failed'
-    values = [row[k] for row in rows for k in ROW_KEYS] + [run['accuracy'], run['time_s']]
-    if not all(of_kind(v, number) and math.isfinite(v) for v in values):
-        return 'a value is missing or not finite, and the run is not marked failed'
-    if run['accuracy'] != rows[-1]['valid_acc'] or run['time_s'] != rows[-1]['total_time']:
-        return "its accuracy or time is not its last row's"
-    return None
+def job_file_text(job):
+    """A job as its file's JSON, with the sha256 of its content: the script is the file's only
+    writer, so one checksum vouches for every field, and an edited or damaged file is refused."""
+    job = {'format': JOB_FORMAT, **json_ready(job)}
+    return json.dumps({**job, 'sha256': job_sha256(job)}, indent=1, allow_nan=False)
 
 
 def read_job(path, option):
-    """The --json file of a job of this script, read (never written) and checked whole; anything
-    else is a one-line UserError, and the file is left as it is."""
+    """The --json file of a job of this version of the script, read (never written); anything else
+    is a one-line UserError, and the file is left as it is. A diverged run's NaNs read as null."""
     path = Path(path)
-    if path.is_dir():
-        raise UserError(f'{option} {path} is a folder: give the --json file of a job')
     try:
-        text = path.read_text()
+        job = json.loads(path.read_text())
     except FileNotFoundError:
         start = ' (a new job starts with --json)' if option == '--resume' else ''
         raise UserError(f'{option} {path}: no such file{start}') from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise UserError(f'{option} {path} cannot be read ({e}); left as it is') from None
-    try:
-        job = json.loads(text)
-    except json.JSONDecodeError as e:
-        what = e.msg.removesuffix(' at')  # json's "Unterminated string starting at"
-        raise UserError(f'{option} {path} is not whole JSON ({what} at line {e.lineno} of '
-                        f'{text.count(chr(10)) + 1}): cut short, or not a --json file; left as it '
-                        'is') from None
-    problem = job_file_problem(job, older=option == '--compare')
-    if problem:
-        raise UserError(f'{option} {path} is not a --json file of this version of '
-                        f'train_cifar10.py ({problem}); left as it is')
-    job['runs'] = [with_nans(run) for run in job['runs']]
+    except IsADirectoryError:
+        raise UserError(f'{option} {path} is a folder: give the --json file of a job') from None
+    except (OSError, ValueError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise UserError(f'{option} {path} cannot be read as JSON ({e}): not a --json file, or cut '
+                        'short; left as it is') from None
+    if not isinstance(job, dict) or 'script_sha256' not in job:
+        raise UserError(f'{option} {path} is not the --json file of a job; left as it is')
+    if job.get('format') != JOB_FORMAT:
+        raise UserError(f'{option} {path} is the file of a job of an older train_cifar10.py, which '
+                        'this version does not read; left as it is')
+    if job.pop('sha256', None) != job_sha256(job):
+        raise UserError(f'{option} {path} was changed since train_cifar10.py wrote it (its sha256 '
+                        'no longer matches), by hand or by damage; left as it is')
     return job
-
-
-def with_nans(run):
-    """A run's record read from JSON, which has no NaN: json_ready wrote a diverged run's NaNs
-    as nulls, which become NaN again."""
-    rows = [{k: math.nan if v is None else v for k, v in row.items()} for row in run['rows']]
-    return dict(run, rows=rows, accuracy=math.nan if run['accuracy'] is None else run['accuracy'])
 
 
 def check_new_job_file(path):
     """A new job's --json file must not exist: what it holds may be hours of runs."""
-    path = Path(path)
-    if not path.exists():
+    if not Path(path).exists():
         return
     try:
         job = read_job(path, '--json')
     except UserError as e:
-        try:
-            some_job = 'script_sha256' in json.loads(path.read_text())
-        except (OSError, UnicodeDecodeError, ValueError, TypeError):
-            some_job = False
-        if some_job:  # another version's: its runs may be hours of work
-            why = str(e).rsplit('(', 1)[-1].split(')')[0]
-            raise UserError(f'--json {path} already holds a job, one this version cannot read '
-                            f'({why}): give another path') from None
-        raise UserError(f'--json {path} exists and is not the file of a job: give another path, '
-                        'or delete it') from None
+        raise UserError(f'{e}: give another path') from None
     raise UserError(f"--json {path} already holds a job, {len(job['runs'])} of "
                     f"{job['runs_requested']} runs: go on with --resume {path}, or give another "
                     'path (or delete it to start over)')
@@ -1960,21 +1781,18 @@ def release_job_file(lock):
 
 
 def job_differences(a, b, keys=JOB_KEYS):
-    """'name (in a -> in b)' for each setting in which two jobs differ, hyperparameters singly; a
-    setting that an older version did not write is 'not recorded'."""
-    def short(record, k):
-        v = record.get(k, 'not recorded') if k in record or k in NEWER_KEYS else record.get(k)
-        return 'unset' if v is None else str(v) if len(str(v)) <= 40 else str(v)[:37] + '...'
+    """'name (in a -> in b)' for each setting in which two jobs differ, hyperparameters singly."""
+    def short(value):
+        return 'unset' if value is None else str(value) if len(str(value)) <= 40 else str(value)[:37] + '...'
     a, b = json_ready(a), json_ready(b)  # tuples as lists, as a JSON file holds them
     differences = []
     for key in keys:
         if key == 'hyperparameters':
             ha, hb = a[key], b[key]
-            names = [k for k in list(ha) + [k for k in hb if k not in ha] if k not in keys]
-            differences += [f'{k} ({short(ha, k)} -> {short(hb, k)})'
-                            for k in names if ha.get(k) != hb.get(k)]
-        elif (key in a, a.get(key)) != (key in b, b.get(key)):  # a key missing: not recorded
-            differences.append(f'{key} ({short(a, key)} -> {short(b, key)})')
+            differences += [f'{k} ({short(ha.get(k))} -> {short(hb.get(k))})' for k in {**ha, **hb}
+                            if k not in keys and ha.get(k) != hb.get(k)]  # each difference once
+        elif a[key] != b[key]:
+            differences.append(f'{key} ({short(a[key])} -> {short(b[key])})')
     return differences
 
 
@@ -2033,8 +1851,9 @@ def read_back_lines(runs, path, runs_requested):
 
 def run_table_lines(run, runs_requested, source=''):
     """A finished run's table: its title, the columns, a row per epoch, and FAILED if it failed."""
+    rows = [{k: math.nan if v is None else v for k, v in row.items()} for row in run['rows']]
     lines = [f"\nrun {run['run']}/{runs_requested} (seed {run['seed']}){source}",
-             table_line(COLUMNS), *[table_row(row) for row in run['rows']]]
+             table_line(COLUMNS), *map(table_row, rows)]
     if run['failed']:
         lines.append(f"run {run['run']} FAILED: the loss became NaN in epoch {len(run['rows'])}")
     return lines
@@ -2062,8 +1881,8 @@ def compare_lines(path_a, path_b):
         notes = [f'{failed} failed, left out'] if failed else []
         if len(runs) < job['runs_requested']:
             notes.append(f"unfinished: {len(runs)} of {job['runs_requested']} runs")
-        eager = sum(not r.get('compiled', True) for r in runs)
-        if job.get('compile') and eager:
+        eager = sum(not r['compiled'] for r in runs)
+        if job['compile'] and eager:
             notes.append(f'{eager} trained eager, its compilation having failed')
         notes = f" ({'; '.join(notes)})" if notes else ''
         lines.append(f'{side}  {path}: {len(acc[side])} runs{notes}, final accuracy (flip-TTA, '
@@ -2282,16 +2101,12 @@ class Job:
         if self.read_back:
             log('\n'.join(read_back_lines(self.read_back, args.resume, args.runs)))
             self.runs = list(self.read_back)
-        shown = self.rank == 0 and sys.stderr.isatty()
-        self.progress = Progress(enabled=shown, images_per_step=hyp['batch_size'])
         missing = missing_runs(self.runs, args.runs)
         if missing:
             log(f"\n{'compilation, then ' if self.compiled else ''}warm-up: an untimed run of 2 "
                 'steps and 2 evaluation batches takes the one-off costs', flush=True)
             self.networks, self.compiled = compiled_warm_up(
-                self.data, hyp, self.device, self.dtype, self.compiled, self.channels_last,
-                self.progress.of('warm-up', 1), log)
-            self.progress.clear()
+                self.data, hyp, self.device, self.dtype, self.compiled, self.channels_last, log)
         if self.device.type == 'cuda':
             torch.cuda.reset_peak_memory_stats(self.device)  # the runs', not the warm-up's
         if self.spread:
@@ -2327,13 +2142,11 @@ class Job:
             self.log(f'\nrun {run}/{args.runs} (seed {seed})\n{table_line(COLUMNS)}', flush=True)
 
         def on_epoch(row):
-            self.progress.clear()
             if not self.spread:
                 self.log(table_row(row), flush=True)
             elif self.rank == 0:
                 self.mail.deliver(self.take_in)  # other ranks' runs, between this one's epochs
-        progress = self.progress.of(f'run {run}/{args.runs}', hyp['epochs'])
-        rows = train_run(self.data, self.networks, hyp, seed, on_epoch, progress)
+        rows = train_run(self.data, self.networks, hyp, seed, on_epoch)
         losses = rows[-1]['train_loss'], rows[-1]['valid_loss']
         failed = len(rows) < hyp['epochs'] or not all(map(math.isfinite, losses))
         record = dict(run=run, seed=seed, failed=failed, compiled=self.compiled, rows=rows,
@@ -2390,8 +2203,6 @@ class Job:
 
     def interrupted(self):
         """Ctrl-C, or torchrun stopping the job: keep what has arrived, say so."""
-        if sys.stderr.isatty():
-            print('\r\033[K', end='', file=sys.stderr)  # wipe a progress line
         if self.mail and self.rank == 0:
             self.mail.deliver(self.take_in)  # what other ranks finished is kept
             self.print_due(all_finished=True)
