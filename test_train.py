@@ -232,14 +232,6 @@ def test_crop_slices_and_never_gathers_with_expanded_indices():
     assert not {'aten.gather', 'aten.expand'} & set(log.ops)
 
 
-@pytest.mark.parametrize('name', ['crop', 'flip', 'cutout'])
-def test_a_device_that_computes_an_augmentation_wrongly_is_refused(monkeypatch, name):
-    real = getattr(T, name)
-    monkeypatch.setattr(T, name, lambda images, *args: real(images, *args).roll(1, dims=0))   # image i gets i-1's
-    with pytest.raises(T.UserError, match=f'cpu computes the augmentation "{name}" wrongly'):
-        T.pick_dtype('fp32', torch.device('cpu'), True)
-
-
 def test_flip_mirrors_exactly_the_chosen_images():
     images = torch.rand(40, 3, 32, 32)
     which = torch.arange(40) % 3 == 0
@@ -406,29 +398,6 @@ def test_whitened_prep_keeps_the_1x1_gradient_accurate_in_half_precision():
 
 
 @numeric
-def test_eager_ghost_batch_norm_in_nchw_is_one_batch_norm_with_the_numbers_of_the_view_path():
-    """Eager NCHW takes Page's splits-as-channels batch norm (one fused kernel); channels_last, and
-    compiled code, the var_mean path. Outputs, running statistics and gradients agree in fp32."""
-    torch.manual_seed(0)
-    x = torch.randn(128, 8, 6, 6) * 2 + 0.5
-    upstream = torch.randn(128, 8, 6, 6)
-    results = {}
-    for layout in (torch.contiguous_format, torch.channels_last):
-        bn = T.GhostBatchNorm(8, split_size=32)
-        with torch.no_grad():
-            bn.bias.copy_(torch.linspace(-1, 1, 8))
-        xl = x.clone().contiguous(memory_format=layout).requires_grad_(True)
-        with OpLog() as log:
-            y = bn(xl)
-        (y * upstream).sum().backward()
-        results[layout] = (y, bn.running_mean, bn.running_var, xl.grad, bn.bias.grad, log.ops)
-    fused, view = results[torch.contiguous_format], results[torch.channels_last]
-    for a, b in zip(fused[:5], view[:5]):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
-    assert 'aten.var_mean' not in fused[5] and sum('batch_norm' in op for op in fused[5]) == 1
-    assert 'aten.var_mean' in view[5]
-
-
 @numeric
 def test_flip_tta_gives_an_image_and_its_mirror_the_same_logits():
     model, _ = small_model()
@@ -841,12 +810,12 @@ def test_generated_and_protocol_2_pickles_load_with_their_labels(tmp_path):
 
 
 @pytest.mark.parametrize('damage, message', [
-    (lambda p: p.write_bytes(p.read_bytes()[:len(p.read_bytes()) // 2]), 'truncated or corrupt'),
-    (lambda p: p.write_bytes(b'\x00' * 100), 'truncated or corrupt'),
+    (lambda p: p.write_bytes(p.read_bytes()[:len(p.read_bytes()) // 2]), 'is damaged or not a CIFAR-10 batch'),
+    (lambda p: p.write_bytes(b'\x00' * 100), 'is damaged or not a CIFAR-10 batch'),
     (lambda p: p.unlink(), 'missing'),
-    (lambda p: write_batch(p, np.zeros((5, 3, 32, 31), np.uint8), [0] * 5, 'x'), 'wrong layout'),
-    (lambda p: write_batch(p, np.zeros((5, 3, 32, 32), np.uint8), [0, 1, 2, 3, 10], 'x'), 'labels outside'),
-    (lambda p: write_batch(p, np.zeros((5, 3, 32, 32), np.uint8), [0] * 4, 'x'), 'one integer label per image'),
+    (lambda p: write_batch(p, np.zeros((5, 3, 32, 31), np.uint8), [0] * 5, 'x'), 'not uint8 rows of 3 x 32 x 32'),
+    (lambda p: write_batch(p, np.zeros((5, 3, 32, 32), np.uint8), [0, 1, 2, 3, 10], 'x'), 'each with a label 0-9'),
+    (lambda p: write_batch(p, np.zeros((5, 3, 32, 32), np.uint8), [0] * 4, 'x'), 'each with a label 0-9'),
 ])
 def test_damaged_batch_files_are_refused(tmp_path, damage, message):
     folder = write_dataset(tmp_path, per_batch=20, n_test=20)
@@ -868,28 +837,21 @@ def make_archive(tmp_path):
 
 @pytest.fixture
 def server():
-    """A file server on loopback that logs its requests (path, Range header). It answers Range
-    requests unless options['ranges'] is False, and sends only the first options['cut'] bytes of a
-    body before dropping the connection while options['cut'] is set."""
-    files, hits, options = {}, [], {'ranges': True, 'cut': None}
+    """A file server on loopback that logs the paths asked for, and sends only the first
+    options['cut'] bytes of a body before dropping the connection while options['cut'] is set."""
+    files, hits, options = {}, [], {'cut': None}
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
-            hits.append((self.path, self.headers.get('Range')))
+            hits.append(self.path)
             body = files.get(self.path)
             if body is None:
                 self.send_error(404)
                 return
-            start = 0
-            if options['ranges'] and self.headers.get('Range'):
-                start = int(self.headers['Range'].removeprefix('bytes=').rstrip('-'))
-                self.send_response(206)
-                self.send_header('Content-Range', f'bytes {start}-{len(body) - 1}/{len(body)}')
-            else:
-                self.send_response(200)
-            self.send_header('Content-Length', str(len(body) - start))
+            self.send_response(200)
+            self.send_header('Content-Length', str(len(body)))
             self.end_headers()
-            self.wfile.write(body[start:start + options['cut']] if options['cut'] else body[start:])
+            self.wfile.write(body[:options['cut']])
 
         def log_message(self, *args):
             pass
@@ -933,13 +895,13 @@ def test_corrupt_archive_is_refused_and_nothing_is_extracted(tmp_path):
     truncated = archive[:len(archive) // 2]
     (tmp_path / 'cut.tar.gz').write_bytes(truncated)
     data_dir = tmp_path / 'data'
-    with pytest.raises(T.UserError, match='truncated or corrupt'):   # served from a local file
+    with pytest.raises(T.UserError, match='truncated, corrupt'):   # served from a local file
         T.ensure_cifar10(data_dir, (tmp_path / 'cut.tar.gz').as_uri(), hashlib.md5(truncated).hexdigest())
     assert leftovers(data_dir) == ['cut.tar.gz']                      # no batches, no staging folder
     (tmp_path / 'garbage.tar.gz').write_bytes(gzip.compress(b'not a tar file' * 100))
-    with pytest.raises(T.UserError, match='truncated or corrupt'):
+    with pytest.raises(T.UserError, match='truncated, corrupt'):
         T.ensure_cifar10(tmp_path / 'data2', (tmp_path / 'garbage.tar.gz').as_uri(),
-                         T.file_md5(tmp_path / 'garbage.tar.gz'))
+                         hashlib.md5((tmp_path / 'garbage.tar.gz').read_bytes()).hexdigest())
 
 
 def test_a_python_without_tarfiles_data_filter_is_told_to_upgrade(tmp_path, monkeypatch):
@@ -956,7 +918,7 @@ def test_no_network_gives_one_clear_error_and_leaves_nothing(tmp_path, server):
         T.ensure_cifar10(tmp_path / 'data', url + '/missing.tar.gz')
     with pytest.raises(T.UserError) as refused:   # a mistyped path, offline: the likelier cause comes first
         T.ensure_cifar10(tmp_path / 'a' / 'b', 'http://127.0.0.1:9/cifar-10-python.tar.gz')  # refused
-    assert re.match(r'no CIFAR-10 in --data-dir .*a/b \(is that path right\?\); downloading it there failed: '
+    assert re.match(r'no CIFAR-10 in --data-dir .*a/b \(is that path right\?\); '
                     r'cannot download http://127\.0\.0\.1:9/', str(refused.value))
     assert leftovers(tmp_path) == []                              # no data/, no a/b/
     (tmp_path / 'mine').mkdir()
@@ -965,36 +927,20 @@ def test_no_network_gives_one_clear_error_and_leaves_nothing(tmp_path, server):
     assert (tmp_path / 'mine').is_dir()                           # a folder that was there stays
 
 
-def test_a_cut_download_resumes_where_it_stopped(tmp_path, server):
+def test_a_cut_download_is_never_taken_for_a_whole_one(tmp_path, server):
     url, files, hits, options = server
     archive, md5 = make_archive(tmp_path)
     files['/cifar-10-python.tar.gz'] = archive
-    half = len(archive) // 2
-    options['cut'] = half                                         # the connection drops half-way
-    data_dir = tmp_path / 'data'
-    with pytest.raises(T.UserError, match='run again to resume'):
-        T.ensure_cifar10(data_dir, url + '/cifar-10-python.tar.gz', md5)
-    assert leftovers(data_dir) == ['cifar-10-python.tar.gz.part']
-    assert (data_dir / 'cifar-10-python.tar.gz.part').read_bytes() == archive[:half]
-    options['cut'] = None
-    folder = T.ensure_cifar10(data_dir, url + '/cifar-10-python.tar.gz', md5)
-    assert hits == [('/cifar-10-python.tar.gz', None), ('/cifar-10-python.tar.gz', f'bytes={half}-')]
-    assert leftovers(data_dir) == ['cifar-10-batches-py', 'cifar-10-python.tar.gz']
-    assert (data_dir / 'cifar-10-python.tar.gz').read_bytes() == archive
-    assert len(T.load_cifar10(folder)['train_labels']) == 100
-
-
-def test_a_server_without_ranges_sends_the_whole_file_again(tmp_path, server):
-    url, files, hits, options = server
-    archive, md5 = make_archive(tmp_path)
-    files['/cifar-10-python.tar.gz'] = archive
+    options['cut'] = len(archive) // 2                            # the connection drops half-way
     data_dir = tmp_path / 'data'
     data_dir.mkdir()
-    (data_dir / 'cifar-10-python.tar.gz.part').write_bytes(archive[:1000])
-    options['ranges'] = False
-    T.ensure_cifar10(data_dir, url + '/cifar-10-python.tar.gz', md5)
-    assert hits == [('/cifar-10-python.tar.gz', 'bytes=1000-')]  # asked for the rest, got all of it
-    assert (data_dir / 'cifar-10-python.tar.gz').read_bytes() == archive
+    with pytest.raises(T.UserError, match='has md5 .* it is cut short or not the CIFAR-10 archive'):
+        T.ensure_cifar10(data_dir, url + '/cifar-10-python.tar.gz', md5)
+    assert leftovers(data_dir) == []
+    options['cut'] = None
+    folder = T.ensure_cifar10(data_dir, url + '/cifar-10-python.tar.gz', md5)
+    assert leftovers(data_dir) == ['cifar-10-batches-py', 'cifar-10-python.tar.gz']
+    assert len(T.load_cifar10(folder)['train_labels']) == 100 and len(hits) == 2
 
 
 def test_a_mirror_is_used_and_still_checked_against_the_official_md5(tmp_path, server, monkeypatch, capsys):
@@ -1249,7 +1195,7 @@ def test_ctrl_c_at_any_stage_ends_cleanly(dataset, tmp_path, monkeypatch, capsys
         assert 'runs:' not in out and leftovers(tmp_path) == []
 
 
-def test_ctrl_c_during_a_download_keeps_the_part_to_resume(tmp_path, monkeypatch, capsys):
+def test_ctrl_c_during_a_download_leaves_no_part(tmp_path, monkeypatch, capsys):
     class Response:                                               # 1 kB arrives, then Ctrl-C
         headers = {'Content-Length': '2000000'}
         chunks = [b'x' * 1000]
@@ -1267,7 +1213,7 @@ def test_ctrl_c_during_a_download_keeps_the_part_to_resume(tmp_path, monkeypatch
     monkeypatch.setattr(T.urllib.request, 'urlopen', lambda *args, **kwargs: Response())
     assert T.main(['--tiny', '--data-dir', str(tmp_path / 'data')]) == 130
     assert 'interrupted' in capsys.readouterr().out
-    assert leftovers(tmp_path / 'data') == ['cifar-10-python.tar.gz.part']
+    assert not (tmp_path / 'data').exists()
 
 
 def test_ctrl_c_while_torch_is_imported_ends_quietly(tmp_path):
@@ -1951,7 +1897,8 @@ def compiler_failure(inner):
 def test_a_damaged_compile_cache_is_named_in_the_fallback_line(dataset, monkeypatch, capsys):
     """Ctrl-C during a compilation can leave a truncated library in torch's cache, which the next
     compilation fails to load: the one line names the folder to delete."""
-    cache = T.inductor_cache()
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+    cache = cache_dir()
 
     def compile_passes(*args):
         raise compiler_failure(ImportError(f'{cache}/uf/cufdeo2.main.so: file too short'))
@@ -2174,7 +2121,8 @@ def test_two_ranks_train_as_one_process_and_stay_identical(dataset, tmp_path):
 def test_a_batch_that_does_not_split_over_the_ranks_stops_the_job(dataset):
     result = torchrun(SCRIPT, '--tiny', '--data-dir', dataset, '--batch-size', '32')
     assert result.returncode != 0
-    assert 'error (rank 0): --batch-size must be a positive multiple of 64 over 2 ranks' in result.stderr
+    # whichever rank says it first: torchrun stops the other, which may not have got so far
+    assert re.search(r'error \(rank \d\): --batch-size must be a positive multiple of 64 over 2 ranks', result.stderr)
     assert T.table_line(T.COLUMNS) not in result.stdout
 
 

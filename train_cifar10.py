@@ -15,41 +15,16 @@ on a piecewise-linear schedule, an exponential moving average (EMA) of the weigh
 left-right flip test-time augmentation (TTA). Data loading, preprocessing and augmentation run on
 the training device over whole batches, so the GPU never waits for a Python loop.
 
-Read it top to bottom: the hyperparameters, the recipe in the order a run uses it (data, augment,
-network, train, evaluate, one run), then below a banner the harness, which changes no number
-(download, devices, compilation, torchrun, timing, reports, job files). torch and numpy only.
+Read it top to bottom: the hyperparameters, the recipe in the order a run uses it, then below a
+banner the harness, which changes no number. torch and numpy only.
 
 Evidence (README.md has the tables): no GPU has timed this version yet. On 2 x86_64 CPU cores,
 torch 2.13.0+cpu, one 10-epoch run (run_log.txt) reached 90.82 % on a JPEG-derived stand-in for
 CIFAR-10 in 1 h 55 min; a full-width step took 7.1 s, Page's own code 9.8 s (2026-11-22).
 """
-import argparse
-import codecs
-import contextlib
-import copy
-import errno
-import datetime
-import hashlib
-import http.client
-import inspect
-import io
-import json
-import math
-import os
-import pickle
-import platform
-import re
-import shutil
-import signal
-import sys
-import tarfile
-import tempfile
-import textwrap
-import threading
-import time
-import urllib.error
-import urllib.request
-import warnings
+import argparse, codecs, contextlib, copy, errno, datetime, hashlib, http.client, inspect, io
+import json, math, os, pickle, platform, re, shutil, signal, sys, tarfile, tempfile, textwrap
+import threading, time, urllib.request, warnings
 from pathlib import Path
 
 try:  # torch takes seconds to import: Ctrl-C meanwhile ends quietly, with the shell's status for it
@@ -283,10 +258,9 @@ class WhitenedPrep(nn.Module):
 class GhostBatchNorm(nn.BatchNorm2d):
     """Batch norm with statistics over splits of split_size images, scale frozen at 1: noisier
     statistics, which regularise (Page: 32 images a split). With s splits, split k holds images k,
-    k+s, k+2s, ... as in Page's code. Statistics are in fp32; the running ones move by the average
-    of the splits' (torch's momentum 0.1 and eps 1e-5, as Page's). Two ways to the same numbers,
-    neither copying an activation: Page's, the splits as the channels of one batch norm, and the
-    splits as a view (compiled, or channels_last)."""
+    k+s, k+2s, ... as in Page's code: xs[:, k] of the view xs = x.view(n/s, s, c, h, w), which copies
+    nothing in either layout. Statistics in fp32; the running ones move by the average of the
+    splits' (torch's momentum 0.1 and eps 1e-5, as Page's)."""
 
     def __init__(self, channels, split_size):
         super().__init__(channels)
@@ -296,28 +270,9 @@ class GhostBatchNorm(nn.BatchNorm2d):
     def forward(self, x):
         if not self.training:
             return super().forward(x)
-        splits = len(x) // self.split_size
-        eager_nchw = x.is_contiguous() and not torch.compiler.is_compiling()  # Page's way is faster
-        return self.splits_as_channels(x, splits) if eager_nchw else self.splits_as_view(x, splits)
-
-    def splits_as_channels(self, x, splits):
-        """Page's: image k + s i's channel j is channel k c + j of x.view(n/s, s c, h, w). That
-        batch's statistics go to temporaries (momentum 1 copies them in: the batch mean and unbiased
-        variance), whose average over the splits the running statistics then move to."""
         n, c, h, w = x.shape
-        mean = self.running_mean.new_zeros(splits * c)  # in the statistics' dtype, fp32 or wider
-        var = self.running_var.new_ones(splits * c)
-        y = F.batch_norm(x.view(-1, splits * c, h, w), mean, var, self.weight.repeat(splits),
-                         self.bias.repeat(splits), training=True, momentum=1.0, eps=self.eps)
-        with torch.no_grad():
-            self.running_mean.lerp_(mean.view(splits, c).mean(0), self.momentum)
-            self.running_var.lerp_(var.view(splits, c).mean(0), self.momentum)
-        return y.view(n, c, h, w)
-
-    def splits_as_view(self, x, splits):
-        """Split k is xs[:, k] of xs = x.view(n/s, s, c, h, w): var_mean, then elementwise."""
-        n, c, h, w = x.shape
-        xs = x.view(-1, splits, c, h, w).to(at_least_fp32(x.dtype))  # statistics in fp32
+        splits = n // self.split_size
+        xs = x.view(-1, splits, c, h, w).to(at_least_fp32(x.dtype))
         var, mean = torch.var_mean(xs, dim=(0, 3, 4), correction=0, keepdim=True)
         scale = torch.rsqrt(var + self.eps) * self.weight.view(1, 1, c, 1, 1)
         y = (xs - mean) * scale + self.bias.view(1, 1, c, 1, 1)
@@ -414,12 +369,10 @@ class Nesterov:
 
     Each step's gradient (plus weight decay) is multiplied by that step's learning rate before it
     enters the momentum buffer v:  dw = -lr_t (g + wd w);  v <- m v + dw;  w <- w + dw + m v.
-    torch.optim.SGD instead applies the current rate to the whole buffer, which is the same only
-    while the rate is constant; in this warm-up its steps would be up to 45 % larger (step 10).
-    bf16 weights (8-bit mantissa) are updated through fp32 master copies: their weight-decay steps
-    are below half a unit in the last place and would round to nothing. fp16 weights are updated
-    in place, as Page did (their masters are the weights themselves). Each group takes a few fused
-    (foreach) launches per step.
+    torch.optim.SGD applies the current rate to the whole buffer instead, the same only while the
+    rate is constant; in this warm-up its steps would be up to 45 % larger (step 10). bf16 weights
+    are updated through fp32 master copies (their weight-decay steps would round to nothing); fp16
+    weights in place, as Page did. A few fused (foreach) launches a group per step.
     """
 
     def __init__(self, groups, momentum):
@@ -499,13 +452,10 @@ def summed_loss(model, images, labels, label_smoothing):
 
 class Networks:
     """What is built once and serves every run: the network trained (training dtype, batch norm in
-    fp32), the fp32 EMA copy that is evaluated, the optimiser, and the loss and flip-TTA
-    functions, compiled with torch.compile or not.
-
-    Runs 2..50 pay neither for building nor for compiling: reinitialise() gives a run the fresh
-    weights a newly built network would have. Compiling the loss and the evaluation as two
-    functions, each for one fixed network and shape, means they never recompile: not across runs,
-    not between the training and the EMA model.
+    fp32), the fp32 EMA copy that is evaluated, the optimiser, and the loss and flip-TTA functions,
+    compiled or not. reinitialise() gives a run the weights a newly built network would have, so
+    runs 2..50 pay neither for building nor for compiling; each compiled function serves one fixed
+    network and shape, so nothing recompiles.
     """
 
     def __init__(self, hyp, device, dtype, compiled, channels_last):
@@ -551,14 +501,11 @@ class Networks:
 
 
 def train_epoch(networks, images, labels, epoch, steps, hyp):
-    """One pass over the shuffled batches: their summed loss, correct count and the last step's lr.
-    Both sums stay on the device: nothing in an epoch waits for it.
-
-    Each step reads the schedule at its own end, so the first already has a non-zero rate. The EMA
-    is updated after batches 0, 5, 10, ... of every epoch, the first included (Page's phase: 20
-    updates in an epoch of 97 steps). Under torchrun, batch-norm statistics, which each rank
-    gathers from its own images, are averaged over the ranks before each EMA update, so that the
-    EMA is the same on every rank, and the same as one process's.
+    """One pass over the shuffled batches: their summed loss, correct count (both on the device:
+    nothing in an epoch waits for it) and the last step's lr. Each step reads the schedule at its
+    own end, so the first already has a non-zero rate. The EMA is updated after batches 0, 5, 10,
+    ... of every epoch (Page's phase: 20 updates in an epoch of 97 steps). Under torchrun the ranks'
+    batch-norm statistics are averaged first, so that the EMA is one process's on every rank.
     """
     knots, values = lr_knots(hyp)
     batch = rank_share(hyp['batch_size'])  # this rank's images of a step (all, in one process)
@@ -616,11 +563,10 @@ def train_run(data, networks, hyp, seed, on_epoch, steps_per_epoch=None, test_ba
     """Train one model from the uint8 arrays and return its rows, one an epoch; networks.ema then
     holds the run's EMA model. steps_per_epoch and test_batches (the last ones) cut a run short.
 
-    seed fixes the initial weights and every augmentation draw, both drawn on the CPU, so that a
-    seed gives the same run on any device, and every rank of a process group the same order. The
-    clock covers everything a lone run does but build the networks: upload (the test set's too),
-    normalisation, padding, whitening, initialising the weights, and the training epochs; not the
-    evaluation passes. It is read after a device sync, at epoch boundaries only.
+    seed fixes the initial weights and every augmentation draw, both drawn on the CPU: the same run
+    on any device, the same order on every rank. The clock (read after a device sync, at epoch
+    boundaries only) covers all a run does but build the networks and evaluate: the uploads,
+    normalisation, padding, whitening, initial weights and the training epochs.
     """
     device, generator = networks.device, torch.Generator().manual_seed(seed)
     start = synced_clock(device)
@@ -675,50 +621,30 @@ class UserError(Exception):
 
 
 def download(url, archive, md5):
-    """Download url to archive with a progress line; the archive appears only once its md5 checks.
-
-    The bytes arrive in archive.part. If a download stops half-way (a dropped connection, Ctrl-C),
-    that file is kept and the next call asks the server for the rest (an HTTP Range request); a
-    server that ignores the request sends the whole file again.
-    """
+    """Download url to archive, which appears only whole: the bytes go to archive.part, renamed
+    once their md5 is the official one, and removed if anything goes wrong (a cut connection
+    ends early rather than raising: the md5 then finds it)."""
     partial = archive.with_name(archive.name + '.part')
-    done = partial.stat().st_size if partial.exists() else 0
-    request = urllib.request.Request(url, headers={'Range': f'bytes={done}-'} if done else {})
     try:
-        with urllib.request.urlopen(request, timeout=60) as response:
-            ranged = str(response.headers.get('Content-Range', '')).startswith(f'bytes {done}-')
-            if done and not ranged:
-                done = 0  # the server sent the whole file
-            total = done + int(response.headers.get('Content-Length') or 0)
-            with open(partial, 'ab' if done else 'wb') as out:
-                while chunk := response.read(1 << 20):
-                    out.write(chunk)
-                    done += len(chunk)
-                    share = f' ({100 * done / total:.0f}%)' if total else ''
-                    print(f'\rdownloading {url}: {done / 1e6:.1f} MB{share}', end='',
-                          file=sys.stderr)
-            if done < total:  # read() returns nothing, rather than raising, when a connection drops
-                raise http.client.IncompleteRead(b'', total - done)
+        with urllib.request.urlopen(url, timeout=60) as response, open(partial, 'wb') as out:
+            total = int(response.headers.get('Content-Length') or 0) / 1e6
+            while chunk := response.read(1 << 20):
+                out.write(chunk)
+                print(f'\rdownloading {url}: {out.tell() / 1e6:.1f} of {total:.1f} MB', end='',
+                      file=sys.stderr)
         print(file=sys.stderr)
-    except urllib.error.HTTPError as e:
-        if e.code != 416 or not partial.exists():  # 416: nothing beyond the partial file: whole?
-            raise UserError(f'cannot download {url} ({e.code} {e.reason}): check the address, or '
-                            f'put {BATCHES_DIR}/ into {archive.parent} yourself') from None
-    except (OSError, http.client.HTTPException) as e:
-        print(file=sys.stderr)
-        reason = getattr(e, 'reason', None) or repr(e)
-        if partial.exists() and partial.stat().st_size:
-            raise UserError(f'the download of {url} stopped at {partial.stat().st_size / 1e6:.1f} '
-                            f'MB ({reason}); run again to resume it from {partial}') from None
-        partial.unlink(missing_ok=True)
-        raise UserError(f'cannot download {url} ({reason}): check the network, or put '
+        got = hashlib.md5(partial.read_bytes()).hexdigest()
+        if got != md5:
+            raise UserError(f'the download of {url} has md5 {got}, not {md5}: it is cut short or '
+                            'not the CIFAR-10 archive; nothing was kept, try again')
+        os.replace(partial, archive)
+    except (OSError, http.client.HTTPException) as e:  # urllib's errors are OSErrors
+        why = ' '.join(str(part) for part in (getattr(e, 'code', None), getattr(e, 'reason', e))
+                       if part is not None)
+        raise UserError(f'cannot download {url} ({why}): check the network, or put '
                         f'{BATCHES_DIR}/ into {archive.parent} yourself') from None
-    got = file_md5(partial)
-    if got != md5:
-        partial.unlink()
-        raise UserError(f'the download of {url} has md5 {got}, not {md5}: it is damaged or not the '
-                        'CIFAR-10 archive; nothing was kept, try again')
-    os.replace(partial, archive)
+    finally:
+        partial.unlink(missing_ok=True)
 
 
 def extract(archive, data_dir):
@@ -730,71 +656,54 @@ def extract(archive, data_dir):
     try:
         with tarfile.open(archive, 'r:gz') as tar:
             tar.extractall(staging, filter='data')  # refuses absolute paths, links out, devices
-        if not os.path.isdir(os.path.join(staging, BATCHES_DIR)):
-            raise UserError(f'{archive} holds no {BATCHES_DIR}/: not the CIFAR-10 python archive')
         os.replace(os.path.join(staging, BATCHES_DIR), data_dir / BATCHES_DIR)
-    except (tarfile.TarError, EOFError, OSError) as e:  # zlib.error is an OSError subclass here
-        if isinstance(e, OSError) and e.errno:  # the system's, not the archive's: a full disk
+    except (tarfile.TarError, EOFError, OSError) as e:
+        if isinstance(e, OSError) and e.errno not in (None, errno.ENOENT):  # a full disk, say
             raise UserError(f'cannot extract {archive} into {data_dir} ({e.strerror})') from None
-        raise UserError(f'{archive} is truncated or corrupt ({e}): delete it, run again') from None
+        raise UserError(f'{archive} is truncated, corrupt or not the CIFAR-10 python archive '
+                        f'({e}): delete it, run again') from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def ensure_cifar10(data_dir, url=None, md5=None):
+def ensure_cifar10(data_dir, url=CIFAR10_URL, md5=CIFAR10_MD5):
     """The folder of CIFAR-10's batch files: data_dir itself if it is one (torchvision users often
-    point at it), else data_dir/cifar-10-batches-py, downloaded from url (the official address by
-    default) and extracted if it is missing. A failed download leaves behind only a partial
-    archive to resume, never a folder it made for nothing."""
-    data_dir, url, md5 = Path(data_dir), url or CIFAR10_URL, md5 or CIFAR10_MD5
-    if data_dir.is_file():
-        raise UserError(f'--data-dir {data_dir} is a file, not a folder')
+    point at it), else data_dir/cifar-10-batches-py, downloaded and extracted if it is missing.
+    A download that fails leaves no folder behind that it made: a mistyped path stays unmade."""
+    data_dir = Path(data_dir)
     if (data_dir / TRAIN_FILES[0]).is_file():
         return data_dir
     if (data_dir / BATCHES_DIR).is_dir():
         return data_dir / BATCHES_DIR
-    folders = [*reversed(data_dir.absolute().parents), data_dir.absolute()]
-    created = next((p for p in folders if not p.exists()), None)  # the first this call would make
+    if data_dir.is_file():
+        raise UserError(f'--data-dir {data_dir} is a file, not a folder')
+    made = next((p for p in [*reversed(data_dir.absolute().parents), data_dir.absolute()]
+                 if not p.exists()), None)  # the first folder this call makes
     try:
         data_dir.mkdir(parents=True, exist_ok=True)
-        tempfile.TemporaryFile(dir=data_dir).close()
     except OSError as e:
-        raise UserError(f'cannot write to --data-dir {data_dir} ({e.strerror}): choose another '
-                        'one') from None
+        raise UserError(f'cannot write to --data-dir {data_dir} ({e.strerror})') from None
     archive = data_dir / url.rsplit('/', 1)[-1]
     try:
         if not archive.exists():
-            try:
-                download(url, archive, md5)
-            except UserError as e:  # a mistyped --data-dir is likelier than a network fault
-                check = ' (is that path right?)' if created else ''
-                raise UserError(f'no CIFAR-10 in --data-dir {data_dir}{check}; '
-                                f'downloading it there failed: {e}') from None
-        elif file_md5(archive) != md5:
+            download(url, archive, md5)
+        elif hashlib.md5(archive.read_bytes()).hexdigest() != md5:
             raise UserError(f'{archive} exists but its md5 is not {md5}: delete it to download '
                             f'again, or extract your copy so that {data_dir / BATCHES_DIR} exists')
         extract(archive, data_dir)
+    except UserError as e:
+        check = ' (is that path right?)' if made else ''  # likelier than a network fault
+        raise UserError(f'no CIFAR-10 in --data-dir {data_dir}{check}; {e}') from None
     finally:
-        if created and not any(data_dir.iterdir()):
-            shutil.rmtree(created)  # the folders this call made, still empty: the download failed
+        if made and not any(data_dir.iterdir()):
+            shutil.rmtree(made)
     return data_dir / BATCHES_DIR
 
 
-def file_md5(path):
-    digest = hashlib.md5()
-    with open(path, 'rb') as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 class NumpyOnlyUnpickler(pickle.Unpickler):
-    """Unpickles the CIFAR-10 batch files without running code from them.
-
-    A pickle can name any importable function and call it; the batch files only need numpy's
-    array constructor and dtype, plus codecs.encode, which is how Python 3 writes bytes into a
-    protocol-2 pickle. Anything else is refused.
-    """
+    """Unpickles CIFAR-10's batch files without running code from them: a pickle can call any
+    importable function, and these need only numpy's array and dtype, and codecs.encode (how
+    Python 3 writes bytes into a protocol-2 pickle)."""
     reconstruct = np.ndarray.__reduce__(np.zeros(0))[0]  # numpy's own, under either module name
     SAFE = {
         ('numpy.core.multiarray', '_reconstruct'): reconstruct,   # numpy < 2 spelling
@@ -807,7 +716,7 @@ class NumpyOnlyUnpickler(pickle.Unpickler):
     def find_class(self, module, name):
         if (module, name) not in self.SAFE:
             raise pickle.UnpicklingError(f'it refers to {module}.{name}, which a data file never '
-                                         'needs')
+                                         'needs: it may have been tampered with')
         return self.SAFE[module, name]
 
 
@@ -820,27 +729,15 @@ def read_batch(path):
                         'copy') from None
     try:
         batch = NumpyOnlyUnpickler(io.BytesIO(raw), encoding='latin1').load()
-    except pickle.UnpicklingError as e:
-        if 'never needs' in str(e):
-            raise UserError(f'refusing to load {path}: {e} (the file may have been tampered '
-                            'with)') from None
-        raise UserError(f'{path} is truncated or corrupt ({e}): delete {path.parent} and run '
-                        'again') from None
-    except Exception as e:  # a damaged pickle can fail in many ways: EOFError, ValueError, ...
-        raise UserError(f'{path} is truncated or corrupt ({type(e).__name__}: {e}): '
+        images, labels = batch['data'], np.asarray(batch['labels'])
+        if not (images.dtype == np.uint8 and images.shape[1:] == (3 * 32 * 32,) and len(images)
+                and labels.shape == (len(images),) and labels.dtype.kind in 'iu'
+                and 0 <= labels.min() and labels.max() < NUM_CLASSES):
+            raise ValueError('not uint8 rows of 3 x 32 x 32 pixels, each with a label 0-9')
+    except Exception as e:  # a damaged pickle fails in many ways: EOFError, KeyError, ...
+        raise UserError(f'{path} is damaged or not a CIFAR-10 batch ({type(e).__name__}: {e}): '
                         f'delete {path.parent} and run again') from None
-    data = batch.get('data') if isinstance(batch, dict) else None
-    labels = batch.get('labels') if isinstance(batch, dict) else None
-    if not (isinstance(data, np.ndarray) and data.dtype == np.uint8 and data.ndim == 2
-            and data.shape[1] == 3 * 32 * 32 and data.shape[0] > 0):
-        raise UserError(f'{path} does not hold a "data" array of uint8 rows of 3072 pixels: wrong '
-                        'layout')
-    labels = np.asarray(labels) if isinstance(labels, (list, np.ndarray)) else np.zeros(0)
-    if labels.shape != (len(data),) or labels.dtype.kind not in 'iu':
-        raise UserError(f'{path} does not hold one integer label per image: wrong layout')
-    if labels.min() < 0 or labels.max() >= NUM_CLASSES:
-        raise UserError(f'{path} has labels outside 0..{NUM_CLASSES - 1}: wrong layout')
-    return data.reshape(-1, 3, 32, 32), labels.astype(np.int64), hashlib.md5(raw).hexdigest()
+    return images.reshape(-1, 3, 32, 32), labels.astype(np.int64), hashlib.md5(raw).hexdigest()
 
 
 # =============================================================================================
@@ -855,30 +752,17 @@ def pick_device(name, local_rank=None):
         device = torch.device(name)
     except RuntimeError:
         raise UserError(f'unknown --device {name!r}: use auto, cuda, cuda:N, mps or cpu') from None
-    if device.type == 'cuda':
-        if not torch.cuda.is_available():
-            raise UserError('--device cuda: torch sees no CUDA GPU (a CPU-only build, or no '
-                            'driver); use --device cpu or install a CUDA build of torch')
-        if local_rank is not None:
-            device = torch.device('cuda', local_rank)
-        if (device.index or 0) >= torch.cuda.device_count():
-            raise UserError(f'{device} is not there: only {torch.cuda.device_count()} CUDA '
-                            'device(s) are visible')
-    elif device.type == 'mps':
-        if not torch.backends.mps.is_available():
-            raise UserError('--device mps: MPS is not available on this machine; use --device cpu')
-        if local_rank is not None:
-            raise UserError('several ranks train on cuda (NCCL) or cpu (gloo), not mps')
-    elif device.type != 'cpu':
+    if device.type == 'cuda' and local_rank is not None:
+        device = torch.device('cuda', local_rank)
+    if device.type == 'cuda' and (device.index or 0) >= torch.cuda.device_count():
+        seen = (f'only {torch.cuda.device_count()} CUDA device(s) are visible' if
+                torch.cuda.is_available() else 'torch sees no CUDA GPU (a CPU-only build, or no driver)')
+        raise UserError(f'--device {device}: {seen}; use --device cpu, or a CUDA build of torch')
+    if device.type == 'mps' and not (torch.backends.mps.is_available() and local_rank is None):
+        raise UserError('--device mps: MPS is not available (nor is it to several ranks); use --device cpu')
+    if device.type not in ('cuda', 'mps', 'cpu'):
         raise UserError(f'--device {name}: this script runs on cuda, mps or cpu')
     return device
-
-
-def native_bf16(device):
-    """Whether this CUDA device computes in bf16 natively: Ampere (8.0) or later, or any ROCm GPU.
-    torch.cuda.is_bf16_supported() asks about the current device, not this one, and counts
-    emulation (a T4) as support."""
-    return bool(torch.version.hip) or torch.cuda.get_device_capability(device)[0] >= 8
 
 
 def pick_dtype(name, device, channels_last):
@@ -886,7 +770,9 @@ def pick_dtype(name, device, channels_last):
     if name == 'auto':
         name = 'fp16' if device.type == 'cuda' else 'fp32'
     dtype = dict(fp16=torch.float16, bf16=torch.bfloat16, fp32=torch.float32)[name]
-    if dtype == torch.bfloat16 and device.type == 'cuda' and not native_bf16(device):
+    # torch.cuda.is_bf16_supported() asks of the current device, and counts emulation (a T4)
+    if (dtype == torch.bfloat16 and device.type == 'cuda' and not torch.version.hip
+            and torch.cuda.get_device_capability(device)[0] < 8):
         raise UserError(f'--dtype bf16: {torch.cuda.get_device_name(device)} has no native bf16 '
                         '(torch would emulate it, slowly; it needs compute capability 8.0 or '
                         'later); use fp16')
@@ -899,42 +785,16 @@ def pick_dtype(name, device, channels_last):
 
 
 def probe_run(device, dtype, channels_last):
-    """Two steps of a narrow network on random images: every operation of a run (whitening,
-    augmentation, forward, backward, optimiser, EMA, evaluation), in seconds, before any data is
-    downloaded. A device or dtype that cannot run one of them raises here."""
+    """Two steps of a narrow network on random images: every operation of a run, in seconds,
+    before any data is downloaded. A device or dtype that cannot run one of them raises here."""
     rng, n = np.random.default_rng(0), 128
-    data = dict(train_images=rng.integers(0, 256, (n, 3, 32, 32), dtype=np.uint8),
-                train_labels=rng.integers(0, NUM_CLASSES, n),
-                test_images=rng.integers(0, 256, (n, 3, 32, 32), dtype=np.uint8),
-                test_labels=rng.integers(0, NUM_CLASSES, n))
+    images = rng.integers(0, 256, (n, 3, 32, 32), dtype=np.uint8)
+    labels = rng.integers(0, NUM_CLASSES, n)
+    data = dict(train_images=images, train_labels=labels, test_images=images, test_labels=labels)
     hyp = {**HYP, 'channels': (8, 8, 8, 8), 'epochs': 1, 'batch_size': n // 2,
            'eval_batch_size': n // 2, 'whitening_images': n, 'cutout': 8}
-    check_augmentation(device)
     networks = Networks(hyp, device, dtype, compiled=False, channels_last=channels_last)
     train_run(data, networks, hyp, seed=0, on_epoch=lambda row: None)
-
-
-def check_augmentation(device):
-    """crop, flip and cutout on the device against plain slicing of each image on the CPU: a
-    backend that computes one of them wrongly (MPS has, for some indexing patterns) is refused."""
-    g = torch.Generator().manual_seed(0)
-    images = torch.randint(0, 256, (24, 3, 40, 40), generator=g).float()
-    top, left, corner_top, corner_left = (torch.randint(0, 9, (24,), generator=g) for _ in range(4))
-    which = torch.arange(24) % 3 == 0
-    on_device = images.to(device)
-    corners = zip(images, top.tolist(), left.tolist())
-    expected = dict(
-        crop=torch.stack([x[:, t:t + 32, u:u + 32] for x, t, u in corners]),
-        flip=torch.stack([x.flip(2) if w else x for x, w in zip(images, which.tolist())]),
-        cutout=images.clone())
-    for x, t, l in zip(expected['cutout'], corner_top.tolist(), corner_left.tolist()):
-        x[:, t:t + 8, l:l + 8] = 0
-    got = dict(crop=crop(on_device, top, left, 32), flip=flip(on_device, which.to(device)),
-               cutout=cutout(on_device, corner_top.to(device), corner_left.to(device), 8))
-    for name, result in got.items():
-        if not torch.equal(result.cpu(), expected[name]):
-            raise UserError(f'{device.type} computes the augmentation "{name}" wrongly (checked '
-                            'against plain slicing): update torch, or use --device cpu')
 
 
 def evaluates_in_tf32(device, dtype):
@@ -990,23 +850,25 @@ def speed_settings(args, device):
 def compiled_warm_up(data, hyp, device, dtype, compiled, channels_last, log):
     """Build the networks, compile them if asked, and warm them up; returns them and whether they
     are compiled. A compilation that fails (no C++ compiler, no Triton, a damaged cache), or whose
-    training step disagrees with eager's, is said in one line, and training goes on eager: on every
-    rank if it failed on any, since ranks that trained differently would wait for each other's
-    collectives for ever."""
+    training step disagrees with eager's, is said in one line, and every rank trains eager: ranks
+    that trained differently would wait for each other's collectives for ever."""
     networks = Networks(hyp, device, dtype, compiled, channels_last)
     if compiled:
         rank, _, world = torchrun_ranks()
-        start, error, disagreement = time.perf_counter(), None, None
+        on_rank, start, failure = f' on rank {rank}' if world > 1 else '', time.perf_counter(), None
         try:
             disagreement = compile_passes(networks, data, hyp, device)
+            if disagreement:
+                failure = (f"torch.compile's training step disagrees with eager{on_rank} "
+                           f'({disagreement}): training eager instead')
         except Exception as e:
-            if not is_compiler_error(e):
-                raise  # out of memory, a failed collective: eager would fail the same way
-            error = e
-        failed = error is not None or disagreement is not None
-        if failed_on_any_rank(failed, device):
-            if failed or rank == 0:  # every rank that failed says why, rank 0 for the others
-                print(compile_failure_line(error, disagreement, rank, world), flush=True)
+            if any(isinstance(c, (torch.cuda.OutOfMemoryError, dist.DistError)) for c in causes(e)):
+                raise  # eager would fail the same way
+            failure = compile_failure_line(e, on_rank)
+        if failed_on_any_rank(failure is not None, device):
+            if failure or rank == 0:  # every rank that failed says why, rank 0 for the others
+                print(failure or 'torch.compile failed on another rank (its line says why): every '
+                      'rank trains eager instead', flush=True)
             networks, compiled = Networks(hyp, device, dtype, False, channels_last), False
         else:
             log(f'torch.compile: {time.perf_counter() - start:.1f} s, and its training step '
@@ -1018,8 +880,8 @@ def compiled_warm_up(data, hyp, device, dtype, compiled, channels_last, log):
 def compile_passes(networks, data, hyp, device):
     """Compile the training loss (forward and backward) and the flip-TTA pass at the runs' shapes,
     and check the compiled training step against eager's; returns what disagreed, or None.
-    No collective runs meanwhile (under torchrun, DDP's no_sync keeps the gradients on the rank),
-    so a rank whose compilation fails leaves no other rank waiting for it."""
+    No collective runs meanwhile (DDP's no_sync keeps the gradients on the rank), so a rank whose
+    compilation fails leaves no other rank waiting for it."""
     b = rank_share(hyp['batch_size'])
     images = normalise(data['train_images'][:hyp['whitening_images']], device, torch.float32)
     networks.reinitialise(whitening_filters(images, hyp['whitening_eps']), seed=0)  # a run's first
@@ -1029,33 +891,26 @@ def compile_passes(networks, data, hyp, device):
     with networks.parallel.no_sync() if SPLIT_BATCHES else contextlib.nullcontext():
         disagreement = compiled_step_disagreement(networks, x, y, hyp)
     networks.optimiser.zero_grad()
-    if disagreement:
-        return disagreement  # eager from here: no evaluation to compile
-    batches = test_set(data, networks, hyp)[0].split(hyp['eval_batch_size'])
-    with torch.no_grad():
-        for batch in {len(batch): batch for batch in batches}.values():  # a full batch and the last
-            networks.tta_logits(batch)
+    if not disagreement:
+        batches = test_set(data, networks, hyp)[0].split(hyp['eval_batch_size'])
+        with torch.no_grad():
+            for batch in {len(batch): batch for batch in batches}.values():  # a full one, the last
+                networks.tta_logits(batch)
     return disagreement
 
 
 def compiled_step_disagreement(networks, x, y, hyp):
-    """None if the compiled training step gives eager's loss and gradients on this batch, with
-    these weights, to within the training dtype's rounding; else which of them disagreed, and by
-    how much. A NaN raises nothing: without this check, a compiler that miscomputes in half
-    precision (as inductor did with amax's backward) would train every run to NaN.
+    """None if the compiled training step gives eager's loss and gradients on this batch to within
+    the training dtype's rounding; else which disagreed, and by how much. A NaN raises nothing:
+    without this check a compiler that miscomputes in half precision (as inductor did with amax's
+    backward) would train every run to NaN.
 
-    The bound: both steps round the same sums at the same precision, in different places, so each
-    lies about as far from the exact values (in float64, or fp32 for fp16 and bf16; same weights
-    and images) as the other, and the two lie within twice that of each other. Each of the loss and
-    the gradients may differ from eager's by 4 times eager's own distance from the exact values,
-    relative to its size, and by at least 4 times the median of those distances (a tensor that
-    eager happened to round well would set too tight a bound). At a run's first weights that
-    distance is, per tensor, about 1e-5 (--tiny) to 2e-3 (full width) in fp32, 5-12 % in fp16 and
-    15-45 % in bf16 (measured on the CPU): the batch norms' gradients cancel most of their terms.
-    A NaN, or a gradient zeroed or doubled (off by 100 % of its size), lies outside in fp32 and
-    fp16, and mostly in bf16."""
-    # float64 for fp32 training (on the CPU for MPS, which has none); for half precision fp32,
-    # whose rounding is 2^13 times finer than fp16's, at half float64's memory on a GPU
+    Both steps round the same sums at the same precision in different places, so each lies about
+    as far from the exact values (float64; fp32 for fp16 and bf16, 2^13 times finer than fp16) as
+    the other. So each of the loss and the gradients may differ from eager's by 4 times eager's own
+    distance from the exact values relative to its size, and by at least 4 times the median of
+    those distances. A NaN, a zeroed or a doubled gradient lies outside in fp32 and fp16, mostly in
+    bf16 (README: the compiled step's check)."""
     wide = torch.float64 if networks.dtype in (torch.float32, torch.float64) else torch.float32
     exact_on = torch.device('cpu') if x.device.type == 'mps' and wide == torch.float64 else x.device
     exact_net = copy.deepcopy(networks.network).to(exact_on, wide)
@@ -1078,61 +933,37 @@ def compiled_step_disagreement(networks, x, y, hyp):
     compiled = loss_and_gradients(networks.parallel, networks.summed_loss, x)
     if not all(torch.isfinite(t).all() for t in eager + exact):
         return None  # nothing to judge by: eager training will meet the same NaN, and say so
-    for name, c in zip(names, compiled):
-        if not torch.isfinite(c).all():
-            return f'{name} is not finite'
     size = [float(t.norm()) or 1.0 for t in exact]
     eager_error = [float((e - t).norm()) / n for e, t, n in zip(eager, exact, size)]
     floor = float(np.median(eager_error))
     for name, c, e, n, error in zip(names, compiled, eager, size, eager_error):
         gap, bound = float((c - e).norm()) / n, 4 * max(error, floor)
+        if not torch.isfinite(c).all():
+            return f'{name} is not finite'
         if gap > bound:
             return (f'{name} differs from eager by {gap:.2g} of its size, beyond the {bound:.2g} '
                     'its rounding allows')
     return None
 
 
-def compile_failure_line(error, disagreement, rank, world):
-    """The one line that says a compilation failed or disagreed with eager (neither: on another
-    rank), and why."""
-    on_rank = f' on rank {rank}' if world > 1 else ''
-    if disagreement is not None:
-        return (f"torch.compile's training step disagrees with eager{on_rank} ({disagreement}): "
-                'training eager instead')
-    if error is None:
-        return ('torch.compile failed on another rank (its line says why): every rank trains eager '
-                'instead')
-    chain = exception_chain(error, implicit=False)
-    # the innermost exception that says something: the wrappers' own first lines vary with the torch
-    # version ("backend='inductor' raised:")
+def causes(error):
+    """error, then what it wraps: torch.compile's inner_exception, or the cause of raise ... from."""
+    while error is not None:
+        yield error
+        error = getattr(error, 'inner_exception', None) or error.__cause__
+
+
+def compile_failure_line(error, on_rank):
+    """The line that says why a compilation failed: the innermost exception that says something
+    (the wrappers' own first lines vary with torch's version), and the cache to delete if it is
+    one that an interrupted compilation damaged."""
+    chain = [e for e in causes(error)][:32]
     root = next((e for e in reversed(chain) if str(e).strip()), chain[-1])
-    said = str(root).strip()
-    reason = f'{type(root).__name__}: {said.splitlines()[0] if said else ""}'[:200]
-    cache = inductor_cache()
-    hint = (f'; {cache} may hold a file of an interrupted compilation: delete it to compile again'
-            if cache and any(cache in str(e) for e in chain) else '')
-    return f"torch.compile failed{on_rank} ({reason}): training eager instead{hint}"
-
-
-def exception_chain(error, implicit=True):
-    """error and what it wraps, outermost first: torch.compile's inner_exception, the cause
-    (raise ... from) and, if implicit, the exception being handled when it was raised."""
-    chain = []
-    while error is not None and len(chain) < 32:
-        chain.append(error)
-        error = (getattr(error, 'inner_exception', None) or error.__cause__
-                 or (error.__context__ if implicit else None))
-    return chain
-
-
-def is_compiler_error(error):
-    """Whether an exception is torch.compile's own failure, which eager training would not meet.
-    Out-of-memory and distributed errors are not, even when the compiler wraps them."""
-    chain = exception_chain(error)
-    if any(isinstance(e, (torch.cuda.OutOfMemoryError, dist.DistError)) for e in chain):
-        return False
-    from torch._dynamo.exc import TorchDynamoException  # imported by torch.compile's first call
-    return isinstance(chain[0], TorchDynamoException)
+    reason = f'{type(root).__name__}: {(str(root).strip().splitlines() or [""])[0]}'[:200]
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+    hint = (f'; {cache_dir()} may hold a file of an interrupted compilation: delete it to compile '
+            'again' if any(cache_dir() in str(e) for e in chain) else '')
+    return f'torch.compile failed{on_rank} ({reason}): training eager instead{hint}'
 
 
 def failed_on_any_rank(failed, device):
@@ -1143,15 +974,6 @@ def failed_on_any_rank(failed, device):
     flag = torch.tensor(float(failed), device=on)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return bool(flag.item())
-
-
-def inductor_cache():
-    """The folder where torch.compile keeps what it built (None: this torch keeps it elsewhere)."""
-    try:
-        from torch._inductor.runtime.cache_dir_utils import cache_dir
-    except ImportError:
-        return None
-    return cache_dir()
 
 
 # =============================================================================================
@@ -2022,7 +1844,7 @@ def prepare_data(args, hyp, local_rank, world):
     Under torchrun one rank per machine downloads while the others wait, then they all read it."""
     if world > 1 and local_rank != 0:
         dist.barrier()
-    folder = ensure_cifar10(args.data_dir, args.data_url)
+    folder = ensure_cifar10(args.data_dir, args.data_url, CIFAR10_MD5)
     if world > 1 and local_rank == 0:
         dist.barrier()
     data = load_cifar10(folder)
