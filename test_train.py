@@ -1409,6 +1409,20 @@ def test_resume_of_a_finished_job_prints_its_tables_and_summary_and_trains_nothi
     assert source.read_bytes() == text
 
 
+def test_resume_takes_in_the_runs_a_spread_jobs_ranks_left_beside_it(finished_job, tmp_path, monkeypatch, capsys):
+    """Rank 0 killed before it took in rank 1's last run: that run waits in rank 1's file, which
+    --resume reads (on any number of ranks), writes into the job's file, then removes."""
+    source, options = finished_job
+    job = json.loads(source.read_text())
+    path, rank_file = tmp_path / 'a.json', tmp_path / '.a.json.rank1'
+    write_job(path, {**job, 'runs': job['runs'][:1], 'runs_finished': 1})
+    write_job(rank_file, {**job, 'runs': job['runs'][1:], 'runs_finished': 1})
+    no_training(monkeypatch)
+    assert T.main([*options, '--runs', '2', '--resume', str(path)]) == 0
+    assert 'runs 1-2 read back' in capsys.readouterr().out
+    assert T.read_job(path, '--json')['runs'] == job['runs'] and not rank_file.exists()
+
+
 def test_resume_reads_back_a_failed_run_as_failed(finished_job, tmp_path, monkeypatch, capsys):
     """A run whose loss became NaN is written with nulls (JSON has no NaN); read back, its table
     shows nan, it stays failed, and the job's status is 1."""
@@ -2326,7 +2340,9 @@ def test_ctrl_c_stops_every_rank_of_a_spread_job_with_its_runs_on_disk(dataset, 
     finally:
         stop_group(job)
     assert 'interrupted: summary of the' in out and 'KeyboardInterrupt' not in err
-    assert 'Traceback' not in out and not list(tmp_path.glob('.*'))         # no lock, no part left
+    assert 'Traceback' not in out and not list(tmp_path.glob('.*[!0-9]'))   # no lock, no part left
+    for rank_file in tmp_path.glob('.r.json.rank*'):   # rank 1's runs, for --resume to read (and remove)
+        assert {r['run'] % 2 for r in T.read_job(rank_file, '--json')['runs']} == {0}
     runs = T.read_job(path, '--json')['runs']
     assert 1 <= len(runs) < 40 and f'runs: {len(runs)} finished' in out
 

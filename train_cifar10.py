@@ -22,7 +22,7 @@ Evidence (README.md has the tables): no GPU has timed this version yet. On 2 x86
 torch 2.13.0+cpu, one 10-epoch run (run_log.txt) reached 90.82 % on a JPEG-derived stand-in for
 CIFAR-10 in 1 h 55 min; a full-width step took 7.1 s, Page's own code 9.8 s (2026-11-22).
 """
-import argparse, codecs, contextlib, copy, errno, datetime, hashlib, http.client, inspect, io
+import argparse, codecs, contextlib, copy, errno, hashlib, http.client, inspect, io
 import json, math, os, pickle, platform, re, shutil, signal, sys, tarfile, tempfile, textwrap
 import threading, time, urllib.request, warnings
 from pathlib import Path
@@ -1088,57 +1088,6 @@ def same_on_every_rank(tensor):
 SILENCE_S = 600  # the least time rank 0 waits for a silent rank's runs: Job.wait_for_other_ranks
 
 
-class RunMail:
-    """Under --spread runs, every rank's finished runs reach rank 0 over a gloo group (CPU tensors,
-    whatever the training device): a run's record as JSON in a buffer of fixed size, its first 8
-    bytes the length. Rank 0 posts a receive for every run another rank will train before any is
-    trained, so a rank's send completes as soon as its run is done, whatever rank 0 is doing, and
-    nobody waits for anybody. gloo writes a message into its posted buffer as it arrives, so rank
-    0 looks at the lengths between its epochs, and waits only on a message that has landed: a long
-    job never meets gloo's timeout, and Ctrl-C stays free to act."""
-
-    def __init__(self, runs_of_rank, hyp):
-        self.group = dist.new_group(backend='gloo', timeout=datetime.timedelta(days=7))
-        self.size = 8192 + 1024 * hyp['epochs']  # a row takes about 300 bytes of JSON
-        self.pending = {}
-        if dist.get_rank() == 0:
-            for rank, runs in enumerate(runs_of_rank):
-                for run in runs if rank else []:
-                    buffer = torch.zeros(self.size, dtype=torch.uint8)
-                    work = dist.irecv(buffer, src=rank, group=self.group, tag=run)
-                    self.pending[run] = buffer, work
-
-    def send(self, record):
-        """Send a finished run's record to rank 0 (from another rank)."""
-        text = json.dumps(json_ready(record)).encode()
-        if 8 + len(text) > self.size:
-            raise RuntimeError(f"run {record['run']}'s record takes {len(text)} bytes, more than "
-                               f'{self.size - 8}')
-        buffer = torch.zeros(self.size, dtype=torch.uint8)
-        buffer[:8] = torch.frombuffer(bytearray(len(text).to_bytes(8, 'little')), dtype=torch.uint8)
-        buffer[8:8 + len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
-        dist.send(buffer, 0, group=self.group, tag=record['run'])
-
-    def deliver(self, keep):
-        """On rank 0: hand each run that has begun to land to keep(record), Ctrl-C and SIGTERM
-        held meanwhile, so that a run is either still pending or kept, never lost between the two
-        (nor waited for twice, which gloo would wait out). Returns how many were kept."""
-        kept = 0
-        for run, (buffer, work) in list(self.pending.items()):
-            if not int.from_bytes(bytes(buffer[:8].tolist()), 'little'):
-                continue
-            with signals_held():
-                del self.pending[run]
-                try:
-                    work.wait()  # the rest of a message that has begun to arrive
-                except (RuntimeError, dist.DistError):  # its rank died sending it
-                    continue
-                length = int.from_bytes(bytes(buffer[:8].tolist()), 'little')
-                keep([json.loads(bytes(buffer[8:8 + length].tolist()))])
-                kept += 1
-        return kept
-
-
 @contextlib.contextmanager
 def signals_held(discard=False):
     """Defer Ctrl-C (SIGINT) and torchrun's stop (SIGTERM) to the end of the block, so that what it
@@ -1872,7 +1821,7 @@ class Job:
         self.batch_ranks = 1 if self.spread else self.world  # the ranks a batch is split over
         self.log = print if self.rank == 0 else (lambda *_, **__: None)
         self.runs, self.read_back, self.device, self.networks, self.lock = [], [], None, None, None
-        self.mail, self.stopped, self.started, self.unprinted = None, False, None, []
+        self.trained, self.stopped, self.started, self.unprinted = [], False, None, []
 
     def set_up(self):
         """Check the options, choose the device and dtype, load the data, read back a resumed job:
@@ -1883,6 +1832,9 @@ class Job:
             print('note: --spread runs shares the runs among the ranks that torchrun starts; this '
                   'is one process, which trains them all', file=sys.stderr)
         written = args.json or args.resume  # a resumed job goes on writing its own file
+        if self.spread and not written:
+            raise UserError('--spread runs needs --json: the ranks hand their runs to rank 0 through '
+                            'files beside it')
         if written and self.rank == 0:
             self.lock = hold_job_file(written)  # one writer: a second job on it is refused
         same = args.resume and Path(args.json or '').resolve() == Path(args.resume).resolve()
@@ -1910,7 +1862,24 @@ class Job:
             train_images=len(data['train_images']), test_images=len(data['test_images']),
             flops=self.flops, peak_tflops=self.peak)
         self.read_back = resumed_runs(job, args.resume, self.context, args.runs) if job else []
+        for path in self.rank_files():  # a spread job's ranks' runs that rank 0 may not have kept
+            if not args.resume:
+                if self.rank == 0:
+                    path.unlink()  # left by a job whose --json never was written
+                continue
+            known = {run['run'] for run in self.read_back}
+            self.read_back += [run for run in resumed_runs(read_job(path, '--resume'), path,
+                                                           self.context, args.runs)
+                               if run['run'] not in known]
+        self.read_back.sort(key=lambda run: run['run'])
+        if self.spread:
+            dist.barrier()  # every rank has read the ranks' files before any writes its own anew
 
+    def rank_files(self):
+        """Where the ranks of a --spread runs job but rank 0 leave their finished runs: a job file
+        of each, hidden beside --json, which rank 0 takes in as they change and removes at the end."""
+        path = Path(self.args.json or '')
+        return sorted(path.parent.glob(f'.{path.name}.rank*')) if self.args.json else []
     def train(self):
         """Print the header and the runs read back, warm up (compiling first), then train the
         missing runs: all of them, or with --spread runs this rank's share (runs rank + 1,
@@ -1923,6 +1892,8 @@ class Job:
         if self.read_back:
             log('\n'.join(read_back_lines(self.read_back, args.resume, args.runs)))
             self.runs = list(self.read_back)
+            if self.rank_files() and self.rank == 0:
+                self.take_in([])  # the ranks' runs into --json now
         missing = missing_runs(self.runs, args.runs)
         if missing:
             log(f"\n{'compilation, then ' if self.compiled else ''}warm-up: an untimed run of 2 "
@@ -1931,30 +1902,40 @@ class Job:
                 self.data, hyp, self.device, self.dtype, self.compiled, self.channels_last, log)
         if self.device.type == 'cuda':
             torch.cuda.reset_peak_memory_stats(self.device)  # the runs', not the warm-up's
-        if self.spread:
-            self.mail = RunMail([missing[r::self.world] for r in range(self.world)], hyp)
         self.unprinted, self.started = list(missing), time.perf_counter()
         for run in missing[self.rank::self.world] if self.spread else missing:
             self.train_one(run)
-        if self.mail and self.rank == 0:
-            self.wait_for_other_ranks()
+        if self.rank == 0:
+            if self.spread:
+                self.wait_for_other_ranks()
+            for path in self.rank_files():
+                path.unlink()  # every run in it is in --json
 
     def wait_for_other_ranks(self):
         """Rank 0, its own runs done: take in the other ranks' last runs as they land. A rank
         silent for 3 times the longest run so far, and at least 10 minutes, is taken for lost:
-        torchrun stops the job when one of its node's ranks dies, but nothing may watch another
-        node's, and gloo cannot tell rank 0 (which only looks at what has landed)."""
+        torchrun stops the job when one of its node's ranks dies, but nothing watches another
+        node's."""
         last = time.perf_counter()
-        while self.mail.pending:
-            if self.mail.deliver(self.take_in):
+        while missing_runs(self.runs, self.args.runs):
+            if self.collect():
                 last = time.perf_counter()
             patience = max(SILENCE_S, 3 * max(r['time_s'] or 0 for r in self.runs))
             if time.perf_counter() - last > patience:
-                lost = sorted(self.mail.pending)
+                lost = missing_runs(self.runs, self.args.runs)
                 self.log(f"\nno run has come for {patience / 60:.0f} min: runs {lost} were taken "
                          'for lost with their ranks; --resume trains them')
                 return
-            time.sleep(0.05)
+            time.sleep(0.2)
+
+    def collect(self):
+        """Rank 0 of a spread job: take in the runs the other ranks have left in their files."""
+        known = {run['run'] for run in self.runs}
+        arrived = [run for path in self.rank_files() for run in read_job(path, '--json')['runs']
+                   if run['run'] not in known]
+        if arrived:
+            self.take_in(arrived)
+        return len(arrived)
 
     def train_one(self, run):
         """Train run number `run` (seed: the first seed + run - 1) and keep it. Its table prints as
@@ -1967,15 +1948,18 @@ class Job:
             if not self.spread:
                 self.log(table_row(row), flush=True)
             elif self.rank == 0:
-                self.mail.deliver(self.take_in)  # other ranks' runs, between this one's epochs
+                self.collect()  # other ranks' runs, between this one's epochs
         rows = train_run(self.data, self.networks, hyp, seed, on_epoch)
         losses = rows[-1]['train_loss'], rows[-1]['valid_loss']
         failed = len(rows) < hyp['epochs'] or not all(map(math.isfinite, losses))
         record = dict(run=run, seed=seed, failed=failed, compiled=self.compiled, rows=rows,
                       accuracy=rows[-1]['valid_acc'], time_s=rows[-1]['total_time'])
         if self.spread and self.rank != 0:
-            with signals_held():  # a finished run is sent whole
-                self.mail.send(record)
+            self.trained.append(record)
+            path = Path(args.json).with_name(f'.{Path(args.json).name}.rank{self.rank}')
+            text = job_file_text(dict(self.context, runs_requested=args.runs, runs=self.trained))
+            with signals_held():  # a finished run is kept whole
+                write_atomically(path, text.encode(), '--json')
         else:
             self.take_in([record], None if failed else self.networks.ema)
 
@@ -2025,8 +2009,8 @@ class Job:
 
     def interrupted(self):
         """Ctrl-C, or torchrun stopping the job: keep what has arrived, say so."""
-        if self.mail and self.rank == 0:
-            self.mail.deliver(self.take_in)  # what other ranks finished is kept
+        if self.spread and self.rank == 0:
+            self.collect()  # what other ranks finished is kept; their files stay for --resume
             self.print_due(all_finished=True)
         finished = f': summary of the {len(self.runs)} finished run(s)' if self.runs else ''
         self.log(f'\ninterrupted{finished}')
@@ -2087,7 +2071,7 @@ def main(argv=None):
                 if job.stopped:
                     job.interrupted()
             finally:
-                job.networks = job.mail = None  # its DDP model, gloo group hold the process group
+                job.networks = None  # its DDP model holds the process group
                 leave_process_group()
                 release_job_file(job.lock)
     with signals_held(discard=job.stopped):
