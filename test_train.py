@@ -1409,6 +1409,17 @@ def test_resume_of_a_finished_job_prints_its_tables_and_summary_and_trains_nothi
     assert source.read_bytes() == text
 
 
+def test_spread_runs_needs_json_and_keeps_a_ranks_runs_whose_job_file_is_gone(dataset, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv('WORLD_SIZE', '2')                         # rank 0 of 2, as torchrun starts it
+    assert T.main(['--tiny', '--data-dir', str(dataset), '--spread', 'runs']) == 1
+    assert capsys.readouterr().err == 'error (rank 0): --spread runs needs --json: the ranks hand their runs to rank 0 through files beside it\n'
+    monkeypatch.delenv('WORLD_SIZE')
+    (tmp_path / '.a.json.rank1').write_text('{}')                 # rank 1's runs; a.json was deleted
+    assert T.main(['--tiny', '--data-dir', str(dataset), '--json', str(tmp_path / 'a.json')]) == 1
+    assert 'holds runs of a spread job whose file is gone: delete its .rank files' in capsys.readouterr().err
+    assert (tmp_path / '.a.json.rank1').read_text() == '{}'
+
+
 def test_resume_takes_in_the_runs_a_spread_jobs_ranks_left_beside_it(finished_job, tmp_path, monkeypatch, capsys):
     """Rank 0 killed before it took in rank 1's last run: that run waits in rank 1's file, which
     --resume reads (on any number of ranks), writes into the job's file, then removes."""
@@ -2252,6 +2263,8 @@ def test_a_spread_job_that_loses_a_rank_resumes_with_one_rank_or_two(dataset, tm
     for ranks in (1, 2):
         copy = tmp_path / f'resumed_{ranks}.json'
         copy.write_bytes(path.read_bytes())
+        for rank_file in tmp_path.glob('.r.json.rank*'):              # rank 1's runs, beside the job
+            (tmp_path / rank_file.name.replace('r.json', copy.name)).write_bytes(rank_file.read_bytes())
         if ranks == 1:
             resumed = subprocess.run([sys.executable, str(SCRIPT), *SPREAD, '--spread', 'runs', '--data-dir',
                                       str(dataset), '--resume', str(copy)], capture_output=True, text=True,
@@ -2262,6 +2275,7 @@ def test_a_spread_job_that_loses_a_rank_resumes_with_one_rank_or_two(dataset, tm
         assert ('note: --spread runs shares the runs among the ranks that torchrun starts; this is one process, '
                 'which trains them all') in resumed.stderr or ranks == 2
         assert [without_times(r) for r in T.read_job(copy, '--json')['runs']] == expected
+        assert not list(tmp_path.glob(f'.{copy.name}.rank*'))          # taken in, then removed
 
 
 SPREAD_RANK_1_IN_RUN_4 = """
@@ -2323,7 +2337,7 @@ def test_rank_0_does_not_wait_for_good_for_a_rank_gone_silent(dataset, tmp_path)
     longest run (here at least 1 s, not 10 minutes), keeps what came and ends with status 1."""
     result = spread_job_where_rank_1_in_run_4('time.sleep(600)  # its machine is lost', dataset, tmp_path,
                                               silence_s=1)
-    assert result.returncode != 0 and 'runs [4] were taken for lost with their ranks' in result.stdout
+    assert result.returncode != 0 and 'run 4 taken for lost with their ranks' in result.stdout
     assert [r['run'] for r in T.read_job(tmp_path / 'r.json', '--json')['runs']] == [1, 2, 3]
     assert 'runs: 3 finished' in result.stdout
 

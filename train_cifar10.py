@@ -5,7 +5,7 @@
     python train_cifar10.py --epochs 10 --runs 50 --resume a.json # the same job, resumed
     python train_cifar10.py --epochs 10 --runs 50 --cutout 8 --json b.json   # a variant
     python train_cifar10.py --compare a.json b.json               # is the variant better?
-    torchrun --nproc_per_node=8 train_cifar10.py --runs 800 --spread runs   # 8 GPUs, whole runs
+    torchrun --nproc_per_node=8 train_cifar10.py --runs 800 --spread runs --json c.json  # 8 GPUs
 
 This is the final recipe of David Page's series "How to train your ResNet" (Myrtle.ai, 2018-19),
 which reached 94.1% mean test accuracy in 10 epochs (26 s on one V100) and topped DAWNBench:
@@ -258,8 +258,8 @@ class WhitenedPrep(nn.Module):
 class GhostBatchNorm(nn.BatchNorm2d):
     """Batch norm with statistics over splits of split_size images, scale frozen at 1: noisier
     statistics, which regularise (Page: 32 images a split). With s splits, split k holds images k,
-    k+s, k+2s, ... as in Page's code: xs[:, k] of the view xs = x.view(n/s, s, c, h, w), which copies
-    nothing in either layout. Statistics in fp32; the running ones move by the average of the
+    k+s, k+2s, ... as in Page's code: xs[:, k] of the view xs = x.view(n/s, s, c, h, w), which
+    copies nothing in either layout. Statistics in fp32; the running ones move by the average of the
     splits' (torch's momentum 0.1 and eps 1e-5, as Page's)."""
 
     def __init__(self, channels, split_size):
@@ -754,12 +754,16 @@ def pick_device(name, local_rank=None):
         raise UserError(f'unknown --device {name!r}: use auto, cuda, cuda:N, mps or cpu') from None
     if device.type == 'cuda' and local_rank is not None:
         device = torch.device('cuda', local_rank)
+    if device.type == 'cuda' and not torch.cuda.is_available():
+        raise UserError('--device cuda: torch sees no CUDA GPU (a CPU-only build, or no driver); '
+                        'use --device cpu or install a CUDA build of torch')
     if device.type == 'cuda' and (device.index or 0) >= torch.cuda.device_count():
-        seen = (f'only {torch.cuda.device_count()} CUDA device(s) are visible' if
-                torch.cuda.is_available() else 'torch sees no CUDA GPU (a CPU-only build, or no driver)')
-        raise UserError(f'--device {device}: {seen}; use --device cpu, or a CUDA build of torch')
-    if device.type == 'mps' and not (torch.backends.mps.is_available() and local_rank is None):
-        raise UserError('--device mps: MPS is not available (nor is it to several ranks); use --device cpu')
+        raise UserError(f'{device} is not there: only {torch.cuda.device_count()} CUDA device(s) '
+                        'are visible')
+    if device.type == 'mps' and not torch.backends.mps.is_available():
+        raise UserError('--device mps: MPS is not available on this machine; use --device cpu')
+    if device.type == 'mps' and local_rank is not None:
+        raise UserError('several ranks train on cuda (NCCL) or cpu (gloo), not mps')
     if device.type not in ('cuda', 'mps', 'cpu'):
         raise UserError(f'--device {name}: this script runs on cuda, mps or cpu')
     return device
@@ -947,7 +951,7 @@ def compiled_step_disagreement(networks, x, y, hyp):
 
 
 def causes(error):
-    """error, then what it wraps: torch.compile's inner_exception, or the cause of raise ... from."""
+    """error, then what it wraps: torch.compile's inner_exception, or raise ... from's cause."""
     while error is not None:
         yield error
         error = getattr(error, 'inner_exception', None) or error.__cause__
@@ -1168,8 +1172,9 @@ def header_lines(hyp, data, device, dtype, seed, flops, peak, world, fp32_math=N
             f'{device_description(device)}{ranks}',
             f"dtype {str(dtype).replace('torch.', '')} (batch norm fp32, EMA fp32{fp32}) | seed "
             f"{seed} | {len(data['train_images'])} train / {len(data['test_images'])} test images",
-            *textwrap.wrap(', '.join(f'{k}={v}' for k, v in hyp.items()), 100, break_long_words=False,
-                           initial_indent='hyperparameters: ', subsequent_indent='    '),
+            *textwrap.wrap(', '.join(f'{k}={v}' for k, v in hyp.items()), 100,
+                           initial_indent='hyperparameters: ', subsequent_indent='    ',
+                           break_long_words=False),
             f"data: {data['provenance']} (files' digest {data['digest']})",
             f"model FLOPs: {tflop['step']} a training step x {flops['steps']} steps + "
             f"{tflop['whitening']} whitening = {tflop['run']} a run (timed); "
@@ -1340,11 +1345,11 @@ def peak_tflops(device, dtype, given=None):
 def t_cdf(t, df):
     """P(T <= t) for Student's t with df > 0 degrees of freedom. Its tail is I_x(df/2, 1/2) / 2,
     x = df / (df + t^2), the regularised incomplete beta function, from its continued fraction by
-    Lentz's method (Numerical Recipes 6.4); computed directly, so that a small p keeps its digits."""
+    Lentz's method (Numerical Recipes 6.4); computed directly, so a small p keeps its digits."""
     if t == 0:
         return 0.5
     a, b, x = df / 2, 0.5, df / (df + t * t)
-    mirrored = x > (a + 1) / (a + b + 2)  # beyond, the fraction is slow: I_x(a, b) = 1 - I_1-x(b, a)
+    mirrored = x > (a + 1) / (a + b + 2)  # the fraction is slow beyond: I_x(a,b) = 1 - I_1-x(b,a)
     if mirrored:
         a, b, x = b, a, t * t / (df + t * t)
     c, d, fraction = math.inf, 1.0, 1.0
@@ -1377,6 +1382,8 @@ def welch(a, b):
     degrees of freedom (Welch-Satterthwaite), 95 % confidence interval and two-sided p-value."""
     va, vb = np.var(a, ddof=1) / len(a), np.var(b, ddof=1) / len(b)
     diff, se = float(np.mean(b) - np.mean(a)), math.sqrt(va + vb)
+    if se == 0:
+        return dict(diff=diff, se=se)  # both sides repeat one value: no test
     df = (va + vb) ** 2 / (va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1))
     half_width = t_quantile(0.975, df) * se
     p = 2 * t_cdf(-abs(diff) / se, df)
@@ -1510,10 +1517,9 @@ def check_new_job_file(path):
 
 
 def hold_job_file(path):
-    """Make this process the one writer of the job file at path, until release_job_file: a lock
-    file beside it, hidden, held with the system's flock (which the system releases when the
-    process ends, however it ends) and holding the process id, which a second job is told. None
-    where the system has no flock (Windows)."""
+    """Make this process the one writer of the job file at path: an flock on a hidden lock file
+    beside it, which the system releases however the process ends, holding the process id that a
+    second job is told. None where the system has no flock (Windows) or refuses it (some NFS)."""
     try:
         import fcntl
     except ImportError:
@@ -1524,16 +1530,15 @@ def hold_job_file(path):
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
-            if e.errno not in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EACCES):
-                lock.close()  # a file system without locks (some NFS, Lustre): no lock, and say so
-                print(f'note: {path} cannot be locked here ({e.strerror}): nothing stops a second '
-                      'job from writing it too', file=sys.stderr)
-                return None
             lock.seek(0)
             holder = lock.read().strip() or 'unknown'
             lock.close()
-            raise UserError(f'{path} is the file of a job that another process (id {holder}) is '
-                            'running: wait for it to end, or give another path') from None
+            if e.errno in (errno.EAGAIN, errno.EACCES):
+                raise UserError(f'{path} is the file of a job that another process (id {holder}) '
+                                'is running: wait for it to end, or give another path') from None
+            print(f'note: {path} cannot be locked here ({e.strerror}): nothing stops a second job '
+                  'from writing it too', file=sys.stderr)
+            return None
         if lock_path.exists() and lock_path.stat().st_ino == os.fstat(lock.fileno()).st_ino:
             break
         lock.close()  # its last holder removed it while we opened it: take the new one
@@ -1554,7 +1559,8 @@ def release_job_file(lock):
 def job_differences(a, b, keys=JOB_KEYS):
     """'name (in a -> in b)' for each setting in which two jobs differ, hyperparameters singly."""
     def short(value):
-        return 'unset' if value is None else str(value) if len(str(value)) <= 40 else str(value)[:37] + '...'
+        text = 'unset' if value is None else str(value)
+        return text if len(text) <= 40 else text[:37] + '...'
     a, b = json_ready(a), json_ready(b)  # tuples as lists, as a JSON file holds them
     differences = []
     for key in keys:
@@ -1807,6 +1813,14 @@ def prepare_data(args, hyp, local_rank, world):
     return data
 
 
+def rank_files(path):
+    """Where the ranks of a --spread runs job but rank 0 leave their finished runs for it: a job
+    file of each, hidden beside the job's own (.NAME.rankR), which rank 0 removes at the end."""
+    path = Path(path)
+    pattern = re.escape(f'.{path.name}.rank') + r'\d+'
+    return sorted(p for p in path.parent.iterdir() if re.fullmatch(pattern, p.name))
+
+
 class Job:
     """One command's runs: its settings, device and data, the runs read back or trained, and the
     files written after each. main drives it: set_up, train, finish. Under torchrun the ranks split
@@ -1822,6 +1836,7 @@ class Job:
         self.log = print if self.rank == 0 else (lambda *_, **__: None)
         self.runs, self.read_back, self.device, self.networks, self.lock = [], [], None, None, None
         self.trained, self.stopped, self.started, self.unprinted = [], False, None, []
+        self.context = None
 
     def set_up(self):
         """Check the options, choose the device and dtype, load the data, read back a resumed job:
@@ -1833,8 +1848,8 @@ class Job:
                   'is one process, which trains them all', file=sys.stderr)
         written = args.json or args.resume  # a resumed job goes on writing its own file
         if self.spread and not written:
-            raise UserError('--spread runs needs --json: the ranks hand their runs to rank 0 through '
-                            'files beside it')
+            raise UserError('--spread runs needs --json: the ranks hand their runs to rank 0 '
+                            'through files beside it')
         if written and self.rank == 0:
             self.lock = hold_job_file(written)  # one writer: a second job on it is refused
         same = args.resume and Path(args.json or '').resolve() == Path(args.resume).resolve()
@@ -1846,7 +1861,7 @@ class Job:
         self.compiled, self.channels_last = speed_settings(args, self.device)
         self.dtype = pick_dtype(args.dtype, self.device, self.channels_last)
         if self.world > 1:
-            join_process_group(self.device, not self.spread)  # the group also gathers spread runs
+            join_process_group(self.device, not self.spread)  # spread: gloo, for barriers only
         if self.spread:
             signal.signal(signal.SIGTERM, stop_as_if_interrupted)
         self.data = data = prepare_data(args, hyp, self.local_rank, self.world)
@@ -1862,24 +1877,21 @@ class Job:
             train_images=len(data['train_images']), test_images=len(data['test_images']),
             flops=self.flops, peak_tflops=self.peak)
         self.read_back = resumed_runs(job, args.resume, self.context, args.runs) if job else []
-        for path in self.rank_files():  # a spread job's ranks' runs that rank 0 may not have kept
-            if not args.resume:
-                if self.rank == 0:
-                    path.unlink()  # left by a job whose --json never was written
-                continue
+        left = rank_files(args.resume or args.json) if written else []
+        if left and not args.resume:
+            raise UserError(f'--json {args.json}: {left[0].name} beside it holds runs of a spread '
+                            'job whose file is gone: delete its .rank files to start a job there')
+        for path in left:  # runs a spread job's ranks left that its rank 0 may not have taken in
             known = {run['run'] for run in self.read_back}
             self.read_back += [run for run in resumed_runs(read_job(path, '--resume'), path,
                                                            self.context, args.runs)
                                if run['run'] not in known]
-        self.read_back.sort(key=lambda run: run['run'])
+        self.runs = sorted(self.read_back, key=lambda run: run['run'])
+        if self.rank == 0 and (left or self.spread):
+            self.take_in([])  # --json holds every run before any rank rewrites its file
         if self.spread:
-            dist.barrier()  # every rank has read the ranks' files before any writes its own anew
+            dist.barrier()  # ... nor before every rank has read them
 
-    def rank_files(self):
-        """Where the ranks of a --spread runs job but rank 0 leave their finished runs: a job file
-        of each, hidden beside --json, which rank 0 takes in as they change and removes at the end."""
-        path = Path(self.args.json or '')
-        return sorted(path.parent.glob(f'.{path.name}.rank*')) if self.args.json else []
     def train(self):
         """Print the header and the runs read back, warm up (compiling first), then train the
         missing runs: all of them, or with --spread runs this rank's share (runs rank + 1,
@@ -1889,11 +1901,8 @@ class Job:
             torch.backends.cudnn.benchmark = True  # fixed shapes: cuDNN picks the fastest kernels
         log('\n'.join(header_lines(hyp, self.data, self.device, self.dtype, args.seed, self.flops,
                                    self.peak, self.world, self.fp32_math, self.spread)))
-        if self.read_back:
-            log('\n'.join(read_back_lines(self.read_back, args.resume, args.runs)))
-            self.runs = list(self.read_back)
-            if self.rank_files() and self.rank == 0:
-                self.take_in([])  # the ranks' runs into --json now
+        if self.runs:
+            log('\n'.join(read_back_lines(self.runs, args.resume, args.runs)))
         missing = missing_runs(self.runs, args.runs)
         if missing:
             log(f"\n{'compilation, then ' if self.compiled else ''}warm-up: an untimed run of 2 "
@@ -1908,7 +1917,7 @@ class Job:
         if self.rank == 0:
             if self.spread:
                 self.wait_for_other_ranks()
-            for path in self.rank_files():
+            for path in rank_files(args.json) if args.json else []:
                 path.unlink()  # every run in it is in --json
 
     def wait_for_other_ranks(self):
@@ -1922,17 +1931,18 @@ class Job:
                 last = time.perf_counter()
             patience = max(SILENCE_S, 3 * max(r['time_s'] or 0 for r in self.runs))
             if time.perf_counter() - last > patience:
-                lost = missing_runs(self.runs, self.args.runs)
-                self.log(f"\nno run has come for {patience / 60:.0f} min: runs {lost} were taken "
-                         'for lost with their ranks; --resume trains them')
+                self.print_due(all_finished=True)
+                self.log(f'\nno run has come for {patience / 60:.0f} min: '
+                         f'{spans(missing_runs(self.runs, self.args.runs))} taken for lost with '
+                         'their ranks; --resume trains them')
                 return
             time.sleep(0.2)
 
     def collect(self):
         """Rank 0 of a spread job: take in the runs the other ranks have left in their files."""
         known = {run['run'] for run in self.runs}
-        arrived = [run for path in self.rank_files() for run in read_job(path, '--json')['runs']
-                   if run['run'] not in known]
+        arrived = [run for path in rank_files(self.args.json)
+                   for run in read_job(path, '--json')['runs'] if run['run'] not in known]
         if arrived:
             self.take_in(arrived)
         return len(arrived)
@@ -1955,11 +1965,11 @@ class Job:
         record = dict(run=run, seed=seed, failed=failed, compiled=self.compiled, rows=rows,
                       accuracy=rows[-1]['valid_acc'], time_s=rows[-1]['total_time'])
         if self.spread and self.rank != 0:
-            self.trained.append(record)
             path = Path(args.json).with_name(f'.{Path(args.json).name}.rank{self.rank}')
-            text = job_file_text(dict(self.context, runs_requested=args.runs, runs=self.trained))
             with signals_held():  # a finished run is kept whole
-                write_atomically(path, text.encode(), '--json')
+                self.trained.append(record)
+                job = dict(self.context, runs_requested=args.runs, runs=self.trained)
+                write_atomically(path, job_file_text(job).encode(), '--json')
         else:
             self.take_in([record], None if failed else self.networks.ema)
 
@@ -1969,15 +1979,16 @@ class Job:
         trained, goes to --save."""
         with signals_held():
             self.runs = sorted(self.runs + records, key=lambda r: r['run'])
-            self.print_due()
             if self.rank == 0:
                 try:
                     write_results(self.args, self.context, self.runs, self.summary(), self.hyp,
                                   ema, records[-1] if ema is not None else None)
                 except UserError as e:
-                    rest = (f'; fix that, then --resume {self.args.json} trains the runs it lacks'
-                            if self.args.json else '')
-                    raise UserError(f'{e}: the job stopped{rest}') from None
+                    json = self.args.json and Path(self.args.json).exists()
+                    rest = (f'--resume {self.args.json} trains the runs it lacks' if json else
+                            'run the same command again')
+                    raise UserError(f'{e}: the job stopped; fix that, then {rest}') from None
+            self.print_due()
 
     def print_due(self, all_finished=False):
         """Print, in run order, the tables of the finished runs whose turn has come (with
@@ -2009,7 +2020,7 @@ class Job:
 
     def interrupted(self):
         """Ctrl-C, or torchrun stopping the job: keep what has arrived, say so."""
-        if self.spread and self.rank == 0:
+        if self.spread and self.rank == 0 and self.context:
             self.collect()  # what other ranks finished is kept; their files stay for --resume
             self.print_due(all_finished=True)
         finished = f': summary of the {len(self.runs)} finished run(s)' if self.runs else ''
@@ -2070,6 +2081,8 @@ def main(argv=None):
             try:
                 if job.stopped:
                     job.interrupted()
+            except UserError as e:  # keeping what had arrived failed: say so in one line
+                print(f'error: {e}', file=sys.stderr)
             finally:
                 job.networks = None  # its DDP model holds the process group
                 leave_process_group()
