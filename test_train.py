@@ -1560,7 +1560,8 @@ def copy_of(source, tmp_path, name='job.json', change=None):
     return path, path.read_bytes()
 
 
-@pytest.mark.parametrize('runs_requested, said', [(2, '2 of 2 runs'), (4, '2 of 4 runs')])
+@pytest.mark.parametrize('runs_requested, said', [
+    (2, '2 of 2 runs: --resume {path} with a larger --runs adds runs'), (4, '2 of 4 runs: go on with --resume {path}')])
 def test_json_on_a_job_file_refuses_to_overwrite_it(finished_job, tmp_path, monkeypatch, capsys,
                                                     runs_requested, said):
     """Running the first command again after a crash, instead of --resume, must not lose the job."""
@@ -1569,7 +1570,7 @@ def test_json_on_a_job_file_refuses_to_overwrite_it(finished_job, tmp_path, monk
     no_training(monkeypatch)
     assert T.main([*options, '--runs', str(runs_requested), '--json', str(path)]) == 1
     err = capsys.readouterr().err.strip()
-    assert err == (f'error: --json {path} already holds a job, {said}: go on with --resume {path}, or '
+    assert err == (f"error: --json {path} already holds a job, {said.format(path=path)}, or "
                    'give another path (or delete it to start over)')
     assert path.read_bytes() == text
     other, other_text = copy_of(source, tmp_path, 'other.json')   # --resume A --json B: B is new
@@ -1674,6 +1675,8 @@ def test_a_mistaken_path_gets_one_line(dataset, tmp_path, monkeypatch, capsys, a
     ('--json', 'missing/r.json', 'the folder .*missing does not exist'),
     ('--log-tsv', 'a_file/r.tsv', 'the folder .*a_file does not exist'),
     ('--save', '.', 'is a folder: give a file name'),
+    ('--save', 'a_file', 'exists, and a new job overwrites no file: give another path, or delete it'),
+    ('--log-tsv', 'a_file', 'exists, and a new job overwrites no file'),
 ])
 def test_output_paths_are_refused_before_any_work(dataset, tmp_path, monkeypatch, capsys, option, path, message):
     (tmp_path / 'a_file').write_text('')
@@ -1684,6 +1687,8 @@ def test_output_paths_are_refused_before_any_work(dataset, tmp_path, monkeypatch
 
 
 def test_main_returns_the_status_of_a_usage_error_or_help(capsys):
+    assert T.main(['--epoch', '1']) == 2                            # no abbreviations of options
+    capsys.readouterr()
     assert T.main(['--bogus']) == 2
     assert 'unrecognized arguments: --bogus' in capsys.readouterr().err
     assert T.main(['--help']) == 0

@@ -1002,8 +1002,8 @@ def rank_and_world():
 
 def join_process_group(device, split_batches=True):
     """Join the ranks torchrun started: NCCL between GPUs that split batches, gloo otherwise (CPU
-    processes, and ranks that train whole runs, which talk only to agree and to send their runs:
-    an idle NCCL communicator would make the ranks wait for each other to leave)."""
+    processes, and ranks that train whole runs, which only meet at barriers: an idle NCCL
+    communicator would make the ranks wait for each other to leave)."""
     global SPLIT_BATCHES
     import torch.distributed.nn  # noqa: F401  now, not later: see leave_process_group
     nccl = device.type == 'cuda' and split_batches
@@ -1511,9 +1511,11 @@ def check_new_job_file(path):
         job = read_job(path, '--json')
     except UserError as e:
         raise UserError(f'{e}: give another path') from None
-    raise UserError(f"--json {path} already holds a job, {len(job['runs'])} of "
-                    f"{job['runs_requested']} runs: go on with --resume {path}, or give another "
-                    'path (or delete it to start over)')
+    runs, asked = len(job['runs']), job['runs_requested']
+    go_on = (f'go on with --resume {path}' if runs < asked else
+             f'--resume {path} with a larger --runs adds runs')
+    raise UserError(f'--json {path} already holds a job, {runs} of {asked} runs: {go_on}, or give '
+                    'another path (or delete it to start over)')
 
 
 def hold_job_file(path):
@@ -1703,6 +1705,7 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 def parse_args(argv):
     examples = __doc__.split('\n\n')[1]  # the usage lines at the top of this file
     p = argparse.ArgumentParser(description=__doc__.split('\n')[0], formatter_class=HelpFormatter,
+                                allow_abbrev=False,
                                 epilog=f'examples:\n{examples}\n\nREADME.md says more.')
     add = p.add_argument
     add('--epochs', type=int, default=HYP['epochs'],
@@ -1792,6 +1795,9 @@ def check_options(args, hyp, world):
                 if other != flag and outputs[other].resolve() == path.resolve()]
         if same:
             raise UserError(f'{flag} {path} is also the file of {same[0]}: give each its own')
+        if flag in ('--log-tsv', '--save') and path.exists() and not args.resume:
+            raise UserError(f'{flag} {path} exists, and a new job overwrites no file: give another '
+                            'path, or delete it')
 
 
 def prepare_data(args, hyp, local_rank, world):
@@ -1824,7 +1830,7 @@ def rank_files(path):
 class Job:
     """One command's runs: its settings, device and data, the runs read back or trained, and the
     files written after each. main drives it: set_up, train, finish. Under torchrun the ranks split
-    each batch, or with --spread runs each trains whole runs and rank 0 gathers them."""
+    each batch, or with --spread runs each trains whole runs and rank 0 takes them in."""
 
     def __init__(self, args):
         self.args = args
@@ -1836,7 +1842,7 @@ class Job:
         self.log = print if self.rank == 0 else (lambda *_, **__: None)
         self.runs, self.read_back, self.device, self.networks, self.lock = [], [], None, None, None
         self.trained, self.stopped, self.started, self.unprinted = [], False, None, []
-        self.context = None
+        self.context = self.kept_at = None
 
     def set_up(self):
         """Check the options, choose the device and dtype, load the data, read back a resumed job:
@@ -1979,6 +1985,7 @@ class Job:
         trained, goes to --save."""
         with signals_held():
             self.runs = sorted(self.runs + records, key=lambda r: r['run'])
+            self.kept_at = time.perf_counter()
             if self.rank == 0:
                 try:
                     write_results(self.args, self.context, self.runs, self.summary(), self.hyp,
@@ -2012,7 +2019,7 @@ class Job:
             summary.update(read_back=len(self.read_back), resumed_from=args.resume)
         trained = len(self.runs) - len(self.read_back)
         if trained and self.started:
-            wall = time.perf_counter() - self.started
+            wall = self.kept_at - self.started  # to the end of the last run kept
             summary.update(wall_s=wall, runs_per_hour=3600 * trained / wall, ranks=self.world)
         if self.device.type == 'cuda' and trained:
             summary['peak_memory_gb'] = torch.cuda.max_memory_allocated(self.device) / 1e9
