@@ -1753,7 +1753,7 @@ x = T.normalise(data['train_images'][:64], cpu, dtype).contiguous(memory_format=
 y = torch.from_numpy(data['train_labels'][:64])
 disagreement = T.compiled_step_disagreement(networks, x, y, hyp)   # leaves the compiled step's gradients
 compiled = {{n: p.grad.clone() for n, p in networks.network.named_parameters() if p.requires_grad}}
-networks.optimiser.zero_grad()
+networks.network.zero_grad()
 T.summed_loss(networks.parallel, x, y, hyp['label_smoothing'])[0].backward()
 eager = {{n: p.grad.clone() for n, p in networks.network.named_parameters() if p.requires_grad}}
 networks.reinitialise(networks.initial.prep[0].whitening, seed=0)
@@ -2323,6 +2323,7 @@ def test_signals_held_defers_ctrl_c_even_when_another_thread_receives_it(discard
     stop = threading.Event()
     other = threading.Thread(target=stop.wait)
     other.start()
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # ignored in a shell's `&` job
     try:
         with pytest.raises(KeyboardInterrupt) if not discard else contextlib.nullcontext():
             with T.signals_held(discard=discard):
@@ -2333,6 +2334,7 @@ def test_signals_held_defers_ctrl_c_even_when_another_thread_receives_it(discard
             time.sleep(0.05)
         assert reached and signal.getsignal(signal.SIGINT) is signal.default_int_handler
     finally:
+        signal.signal(signal.SIGINT, before)
         stop.set()
         other.join()
 

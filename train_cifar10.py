@@ -7,20 +7,15 @@
     python train_cifar10.py --compare a.json b.json               # is the variant better?
     torchrun --nproc_per_node=8 train_cifar10.py --runs 800 --spread runs --json c.json  # 8 GPUs
 
-This is the final recipe of David Page's series "How to train your ResNet" (Myrtle.ai, 2018-19),
-which reached 94.1% mean test accuracy in 10 epochs (26 s on one V100) and topped DAWNBench:
-a ResNet9 whose first layer is a fixed PCA-whitening of 3x3 patches, ghost batch norm with frozen
-scales, CELU activations, half precision with batch norm in fp32, label smoothing, Nesterov SGD
-on a piecewise-linear schedule, an exponential moving average (EMA) of the weights, and
-left-right flip test-time augmentation (TTA). Data loading, preprocessing and augmentation run on
-the training device over whole batches, so the GPU never waits for a Python loop.
+The final recipe of David Page's "How to train your ResNet" (Myrtle.ai, 2018-19), 94.1% mean
+test accuracy in 10 epochs (26 s on one V100): a ResNet9 whose first layer is a fixed whitening of
+3x3 patches, ghost batch norm, CELU, half precision with batch norm in fp32, label smoothing,
+Nesterov SGD on a piecewise-linear schedule, an EMA of the weights, flip test-time augmentation.
+The data is augmented on the device over whole batches. Read top to bottom: the hyperparameters,
+the recipe in the order a run uses it, then below a banner the harness, which changes no number.
 
-Read it top to bottom: the hyperparameters, the recipe in the order a run uses it, then below a
-banner the harness, which changes no number. torch and numpy only.
-
-Evidence (README.md has the tables): no GPU has timed this version yet. On 2 x86_64 CPU cores,
-torch 2.13.0+cpu, one 10-epoch run (run_log.txt) reached 90.82 % on a JPEG-derived stand-in for
-CIFAR-10 in 1 h 55 min; a full-width step took 7.1 s, Page's own code 9.8 s (2026-11-22).
+Evidence (README.md): no GPU has timed this version yet. On 2 CPU cores one 10-epoch run
+(run_log.txt) reached 90.82 % on a JPEG stand-in for CIFAR-10; a step took 7.1 s, Page's 9.8 s.
 """
 import argparse, codecs, contextlib, copy, errno, hashlib, http.client, inspect, io
 import json, math, os, pickle, platform, re, shutil, signal, sys, tarfile, tempfile, textwrap
@@ -91,9 +86,8 @@ OFFICIAL_MD5 = {
 
 
 def load_cifar10(folder):
-    """The training and test sets as arrays (uint8 images N x 3 x 32 x 32, int64 labels N;
-    read_batch checks each file), a line saying whether they are the official files, and a digest
-    naming the copy."""
+    """The training and test sets as arrays (uint8 images N x 3 x 32 x 32, int64 labels N), a line
+    saying whether they are the official files, and a digest naming the copy."""
     train = [read_batch(folder / name) for name in TRAIN_FILES]
     test = read_batch(folder / TEST_FILE)
     md5s = [md5 for _, _, md5 in train + [test]]
@@ -127,9 +121,8 @@ def normalise(images, device, dtype):
 
 
 def balanced_choice(n, options, max_options, generator):
-    """For each of n images one of the choices 0 .. options - 1, as Page's loader draws them: at
-    most max_options picked at random, each for an equal share of the images (half are flipped),
-    from the run's CPU generator, so that every rank and every device type draws the same."""
+    """For each of n images one of options choices, as Page's loader draws them: at most
+    max_options of them, each for an equal share of the images, from the run's CPU generator."""
     picked = torch.randperm(options, generator=generator)[:max_options]
     return picked[torch.randperm(n, generator=generator) % len(picked)]
 
@@ -150,9 +143,8 @@ def draw_augmentation(n, hyp, generator):
 
 
 def crop(padded, top, left, size):
-    """Image i's size x size window at (top[i], left[i]), for top and left on the CPU. As in Page's
-    loader, the images are grouped by offset (at most 81 groups for a pad of 4), each cut with a
-    slice and one index_select: no per-pixel gather (4 times the images' memory; wrong on MPS)."""
+    """Image i's size x size window at (top[i], left[i]), top and left on the CPU: the images
+    grouped by offset (81 groups for a pad of 4), each cut with a slice, as Page's loader does."""
     width = padded.shape[3]
     offsets = top * width + left  # each image's, as one number
     order = torch.argsort(offsets, stable=True)  # the images grouped by offset
@@ -185,9 +177,8 @@ def cutout(images, top, left, size):
 
 def augmented_epoch(padded, labels, hyp, generator, rank=0, world=1):
     """A fresh crop, flip (and cutout) of every image, shuffled and cut into whole batches. Under
-    torchrun every rank draws the same (same seed) and keeps images rank, rank+world, ... of each
-    batch: the ghost batch-norm splits (images k, k+s, ...) then hold the images they hold in one
-    process at the same global batch size."""
+    torchrun every rank draws the same and keeps images rank, rank + world, ... of each batch, so
+    the ghost batch-norm splits hold the images they hold in one process."""
     cpu_draws = draw_augmentation(len(padded), hyp, generator)  # crop groups them on the CPU
     draws = {k: v.to(padded.device) for k, v in cpu_draws.items()}
     images = flip(crop(padded, cpu_draws['top'], cpu_draws['left'], 32), draws['flip'])
@@ -257,10 +248,8 @@ class WhitenedPrep(nn.Module):
 
 class GhostBatchNorm(nn.BatchNorm2d):
     """Batch norm with statistics over splits of split_size images, scale frozen at 1: noisier
-    statistics, which regularise (Page: 32 images a split). With s splits, split k holds images k,
-    k+s, k+2s, ... as in Page's code: xs[:, k] of the view xs = x.view(n/s, s, c, h, w), which
-    copies nothing in either layout. Statistics in fp32; the running ones move by the average of the
-    splits' (torch's momentum 0.1 and eps 1e-5, as Page's)."""
+    statistics regularise (Page: 32 images a split). Split k of s holds images k, k+s, ... as in
+    Page's code. Statistics in fp32; the running ones move by the splits' average."""
 
     def __init__(self, channels, split_size):
         super().__init__(channels)
@@ -332,10 +321,8 @@ def flip_tta_logits(model, images):
 
 
 def to_training_precision(model, dtype):
-    """Convert the network to dtype, but keep in fp32 (or wider) batch norm's parameters and
-    statistics, which hold the small differences that normalisation divides by, and the fixed
-    whitening filters, which the prep layer folds in fp32 (rounded, they would be other filters,
-    and the fp32 EMA's copy would drift to them)."""
+    """The network in dtype, but batch norm (small differences, divided by) and the fixed whitening
+    filters (folded in fp32: rounded, they would be other filters) in fp32 or wider."""
     whitenings = [(m, m.whitening) for m in model.modules() if isinstance(m, WhitenedPrep)]
     model.to(dtype)
     for module, whitening in whitenings:
@@ -409,18 +396,10 @@ class Nesterov:
             if g['bf16_params']:
                 torch._foreach_copy_(g['bf16_params'], g['bf16_masters'])
 
-    def zero_grad(self):
-        for g in self.groups:
-            for p in g['params']:
-                p.grad = None
-
 
 def optimiser(model, hyp):
-    """Page's two groups: batch-norm biases take lr x 64 and weight decay / 64.
-
-    Each group's lr_scale turns the schedule's value into the rate applied to the gradient of the
-    summed loss: lr = schedule x lr_scale.
-    """
+    """Page's two groups, with lr = schedule x lr_scale on the summed loss's gradient: batch-norm
+    biases take lr x 64 and weight decay / 64."""
     trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     biases = [p for name, p in trainable if name.endswith('bias')]
     weights = [p for name, p in trainable if not name.endswith('bias')]
@@ -436,9 +415,8 @@ def ema_tensors(model):
 
 @torch.no_grad()
 def ema_update(averages, tensors, momentum):
-    """averages <- momentum x averages + (1 - momentum) x tensors, in the averages' fp32, whatever
-    the tensors' dtype: a 5 % step is below half a unit in the last place of fp16 or bf16 for most
-    weights."""
+    """averages <- momentum x averages + (1 - momentum) x tensors, in the averages' fp32: a 5 % step
+    is below half a unit in the last place of fp16 or bf16 for most weights."""
     torch._foreach_lerp_(averages, [t.to(a.dtype) for a, t in zip(averages, tensors)], 1 - momentum)
 
 
@@ -451,12 +429,9 @@ def summed_loss(model, images, labels, label_smoothing):
 
 
 class Networks:
-    """What is built once and serves every run: the network trained (training dtype, batch norm in
-    fp32), the fp32 EMA copy that is evaluated, the optimiser, and the loss and flip-TTA functions,
-    compiled or not. reinitialise() gives a run the weights a newly built network would have, so
-    runs 2..50 pay neither for building nor for compiling; each compiled function serves one fixed
-    network and shape, so nothing recompiles.
-    """
+    """Built once for every run: the network trained, its fp32 EMA copy that is evaluated, the
+    optimiser, the loss and flip-TTA functions (compiled or not, at fixed shapes: nothing
+    recompiles). reinitialise() gives each run the weights a newly built network would have."""
 
     def __init__(self, hyp, device, dtype, compiled, channels_last):
         self.hyp, self.device, self.dtype = hyp, device, dtype
@@ -488,8 +463,8 @@ class Networks:
 
     @torch.no_grad()
     def reinitialise(self, whitening, seed):
-        """The weights a newly built ResNet9 would draw with this seed, drawn on the CPU so that
-        every device and rank draws the same, and the run's whitening; the EMA starts equal."""
+        """The weights a new ResNet9 would draw with this seed (on the CPU: the same on every device
+        and rank), and the run's whitening; the EMA starts equal."""
         torch.manual_seed(seed)
         for module in self.initial.modules():  # in construction order, as a new network draws them
             if isinstance(module, (WhitenedPrep, nn.Conv2d, nn.Linear, nn.BatchNorm2d)):
@@ -501,12 +476,9 @@ class Networks:
 
 
 def train_epoch(networks, images, labels, epoch, steps, hyp):
-    """One pass over the shuffled batches: their summed loss, correct count (both on the device:
-    nothing in an epoch waits for it) and the last step's lr. Each step reads the schedule at its
-    own end, so the first already has a non-zero rate. The EMA is updated after batches 0, 5, 10,
-    ... of every epoch (Page's phase: 20 updates in an epoch of 97 steps). Under torchrun the ranks'
-    batch-norm statistics are averaged first, so that the EMA is one process's on every rank.
-    """
+    """One pass over the batches: their summed loss and correct count (on the device: nothing
+    waits for them) and the last lr. Each step reads the schedule at its own end, so the first lr
+    is not zero. The EMA is updated after batches 0, 5, 10, ... of every epoch, as Page's was."""
     knots, values = lr_knots(hyp)
     batch = rank_share(hyp['batch_size'])  # this rank's images of a step (all, in one process)
     loss_sum = torch.zeros((), device=images.device)
@@ -515,7 +487,7 @@ def train_epoch(networks, images, labels, epoch, steps, hyp):
         step = (epoch - 1) * steps + i + 1  # counted from 1: at its end, the first lr is not zero
         lr = piecewise_linear(step / steps, knots, values)
         x, y = images[i * batch:(i + 1) * batch], labels[i * batch:(i + 1) * batch]
-        networks.optimiser.zero_grad()  # to None before the forward: the last gradients are freed
+        networks.network.zero_grad()  # to None before the forward: the last gradients are freed
         loss, logits = networks.loss(x, y)
         global_batch_loss(loss).backward()  # the loss itself in one process
         networks.optimiser.step(lr)
@@ -531,8 +503,8 @@ def train_epoch(networks, images, labels, epoch, steps, hyp):
 # 5. Evaluation: the EMA model with flip test-time augmentation
 # =============================================================================================
 def test_set(data, networks, hyp, last_batches=None):
-    """This rank's share of the test images, uploaded and normalised in the EMA's dtype, and their
-    labels; only the last few evaluation batches of them if last_batches is given."""
+    """This rank's test images, normalised in the EMA's dtype, and labels (the last_batches last
+    evaluation batches of them, if given)."""
     images = normalise(rank_slice(data['test_images']), networks.device, networks.ema_dtype)
     images = images.contiguous(memory_format=networks.memory_format)
     labels = torch.from_numpy(rank_slice(data['test_labels'])).to(networks.device)
@@ -544,8 +516,7 @@ def test_set(data, networks, hyp, last_batches=None):
 
 @torch.no_grad()
 def evaluate(networks, images, labels, hyp):
-    """Summed loss (label-smoothed, as in training) and correct count of the EMA model with
-    flip-TTA, on the device."""
+    """Summed loss (label-smoothed) and correct count of the EMA model with flip-TTA."""
     loss_sum = torch.zeros((), device=images.device)
     correct = torch.zeros((), device=images.device, dtype=torch.long)
     for x, y in zip(images.split(hyp['eval_batch_size']), labels.split(hyp['eval_batch_size'])):
@@ -561,13 +532,9 @@ def evaluate(networks, images, labels, hyp):
 # =============================================================================================
 def train_run(data, networks, hyp, seed, on_epoch, steps_per_epoch=None, test_batches=None):
     """Train one model from the uint8 arrays and return its rows, one an epoch; networks.ema then
-    holds the run's EMA model. steps_per_epoch and test_batches (the last ones) cut a run short.
-
-    seed fixes the initial weights and every augmentation draw, both drawn on the CPU: the same run
-    on any device, the same order on every rank. The clock (read after a device sync, at epoch
-    boundaries only) covers all a run does but build the networks and evaluate: the uploads,
-    normalisation, padding, whitening, initial weights and the training epochs.
-    """
+    holds its EMA model. seed fixes the weights and every augmentation draw (on the CPU: the same
+    run on any device). steps_per_epoch and test_batches (the last ones) cut a run short. The clock,
+    read after a device sync, covers all but building the networks and evaluating (DAWNBench)."""
     device, generator = networks.device, torch.Generator().manual_seed(seed)
     start = synced_clock(device)
     train = normalise(data['train_images'], device, networks.dtype)
@@ -894,7 +861,7 @@ def compile_passes(networks, data, hyp, device):
     y = torch.from_numpy(data['train_labels'][:b]).to(device)
     with networks.parallel.no_sync() if SPLIT_BATCHES else contextlib.nullcontext():
         disagreement = compiled_step_disagreement(networks, x, y, hyp)
-    networks.optimiser.zero_grad()
+    networks.network.zero_grad()
     if not disagreement:
         batches = test_set(data, networks, hyp)[0].split(hyp['eval_batch_size'])
         with torch.no_grad():
