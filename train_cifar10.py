@@ -588,9 +588,8 @@ class UserError(Exception):
 
 
 def download(url, archive, md5):
-    """Download url to archive, which appears only whole: the bytes go to archive.part, renamed
-    once their md5 is the official one, and removed if anything goes wrong (a cut connection
-    ends early rather than raising: the md5 then finds it)."""
+    """Download url to archive, which appears only whole: archive.part is renamed once its md5 is
+    the official one (a cut connection ends early without raising: the md5 finds it)."""
     partial = archive.with_name(archive.name + '.part')
     try:
         with urllib.request.urlopen(url, timeout=60) as response, open(partial, 'wb') as out:
@@ -634,9 +633,8 @@ def extract(archive, data_dir):
 
 
 def ensure_cifar10(data_dir, url=CIFAR10_URL, md5=CIFAR10_MD5):
-    """The folder of CIFAR-10's batch files: data_dir itself if it is one (torchvision users often
-    point at it), else data_dir/cifar-10-batches-py, downloaded and extracted if it is missing.
-    A download that fails leaves no folder behind that it made: a mistyped path stays unmade."""
+    """The folder of CIFAR-10's batch files: data_dir if it is one, else its cifar-10-batches-py,
+    downloaded if missing. A failed download removes the folders it made (a mistyped path, say)."""
     data_dir = Path(data_dir)
     if (data_dir / TRAIN_FILES[0]).is_file():
         return data_dir
@@ -668,9 +666,8 @@ def ensure_cifar10(data_dir, url=CIFAR10_URL, md5=CIFAR10_MD5):
 
 
 class NumpyOnlyUnpickler(pickle.Unpickler):
-    """Unpickles CIFAR-10's batch files without running code from them: a pickle can call any
-    importable function, and these need only numpy's array and dtype, and codecs.encode (how
-    Python 3 writes bytes into a protocol-2 pickle)."""
+    """Unpickles CIFAR-10's batch files without running code from them (a pickle can call any
+    function): they need only numpy's array and dtype, and codecs.encode for bytes."""
     reconstruct = np.ndarray.__reduce__(np.zeros(0))[0]  # numpy's own, under either module name
     SAFE = {
         ('numpy.core.multiarray', '_reconstruct'): reconstruct,   # numpy < 2 spelling
@@ -756,8 +753,8 @@ def pick_dtype(name, device, channels_last):
 
 
 def probe_run(device, dtype, channels_last):
-    """Two steps of a narrow network on random images: every operation of a run, in seconds,
-    before any data is downloaded. A device or dtype that cannot run one of them raises here."""
+    """Two steps of a narrow network on random images: a device or dtype that cannot run every
+    operation of a run raises here, in seconds, before any download."""
     rng, n = np.random.default_rng(0), 128
     images = rng.integers(0, 256, (n, 3, 32, 32), dtype=np.uint8)
     labels = rng.integers(0, NUM_CLASSES, n)
@@ -769,19 +766,16 @@ def probe_run(device, dtype, channels_last):
 
 
 def evaluates_in_tf32(device, dtype):
-    """Whether the EMA's fp32 evaluation may use TF32: on a CUDA GPU that has it (Ampere, 8.0, or
-    later), when training in fp16 or bf16. TF32 has 10 mantissa bits, as many as the fp16 in which
-    Page evaluated."""
+    """Whether the EMA's fp32 evaluation may use TF32 (10 mantissa bits, as the fp16 Page evaluated
+    in): on a CUDA GPU that has it (8.0 or later), training in fp16 or bf16."""
     return (device.type == 'cuda' and dtype != torch.float32
             and torch.cuda.get_device_capability(device)[0] >= 8)
 
 
 def fp32_precision(device, dtype):
-    """Choose, and say, how fp32 convolutions and matrix products run on a CUDA GPU. Training runs
-    them in true fp32: its only fp32 ones form and apply the folded whitening, whose 1x1 weights'
-    gradient TF32 would round as fp16 does (0.4-0.6 % off, against 0.04 % in fp32: the loss the fp32
-    fold exists to avoid). So TF32 is off, cuDNN's default included, and only the EMA's evaluation
-    turns it on for itself (in_tf32), when training in fp16 or bf16."""
+    """Choose, and say, how fp32 convolutions and matrix products run on a CUDA GPU: TF32 off for
+    training (its fp32 ones are the folded whitening, whose gradient TF32 would round as fp16
+    does), on for the EMA's evaluation only (in_tf32) when training in fp16 or bf16."""
     if device.type != 'cuda':
         return None  # CPUs and MPS compute fp32 as fp32
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
@@ -793,9 +787,7 @@ def fp32_precision(device, dtype):
 
 
 def in_tf32(function):
-    """function, run with TF32 allowed for fp32 convolutions and matrix products, as it was after.
-    The compiler reads the matmul flag as it compiles, and a compiled function called only this way
-    keeps the one version it compiled."""
+    """function, run with TF32 allowed (a compiled one compiles, once, with the flag so set)."""
     def call(*args):
         saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
         torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = True
@@ -807,10 +799,8 @@ def in_tf32(function):
 
 
 def speed_settings(args, device):
-    """(compiled, channels_last) for this device. Compiling wins on CUDA (what airbench ships) and
-    on a CPU (a full-width step 1.4 times as fast: README, Speed), but takes about a minute on a
-    CPU, longer than all of --tiny; MPS's compiler is experimental. channels_last is the layout
-    tensor cores and the CPU's convolutions are fastest in."""
+    """(compiled, channels_last) for this device: compiled on CUDA and CPUs (faster, README: Speed)
+    but not for --tiny (a minute of compiling) nor MPS (experimental); channels_last but on MPS."""
     compiled = device.type in ('cuda', 'cpu') and not args.tiny
     return (compiled if args.compile is None else args.compile), device.type != 'mps'
 
@@ -819,10 +809,9 @@ def speed_settings(args, device):
 # Compilation: compiled before the warm-up, checked against eager, eager if it fails
 # =============================================================================================
 def compiled_warm_up(data, hyp, device, dtype, compiled, channels_last, log):
-    """Build the networks, compile them if asked, and warm them up; returns them and whether they
-    are compiled. A compilation that fails (no C++ compiler, no Triton, a damaged cache), or whose
-    training step disagrees with eager's, is said in one line, and every rank trains eager: ranks
-    that trained differently would wait for each other's collectives for ever."""
+    """Build the networks, compile them if asked, warm them up; returns them and whether compiled.
+    A compilation that fails or disagrees with eager is said in one line, and every rank trains
+    eager: ranks that trained differently would wait for each other's collectives for ever."""
     networks = Networks(hyp, device, dtype, compiled, channels_last)
     if compiled:
         rank, _, world = torchrun_ranks()
@@ -849,9 +838,8 @@ def compiled_warm_up(data, hyp, device, dtype, compiled, channels_last, log):
 
 
 def compile_passes(networks, data, hyp, device):
-    """Compile the training loss (forward and backward) and the flip-TTA pass at the runs' shapes,
-    and check the compiled training step against eager's; returns what disagreed, or None.
-    No collective runs meanwhile (DDP's no_sync keeps the gradients on the rank), so a rank whose
+    """Compile the training step and the flip-TTA pass at the runs' shapes, and check the step
+    against eager's; returns what disagreed, or None. No collective runs (no_sync), so a rank whose
     compilation fails leaves no other rank waiting for it."""
     b = rank_share(hyp['batch_size'])
     images = normalise(data['train_images'][:hyp['whitening_images']], device, torch.float32)
@@ -871,17 +859,12 @@ def compile_passes(networks, data, hyp, device):
 
 
 def compiled_step_disagreement(networks, x, y, hyp):
-    """None if the compiled training step gives eager's loss and gradients on this batch to within
-    the training dtype's rounding; else which disagreed, and by how much. A NaN raises nothing:
-    without this check a compiler that miscomputes in half precision (as inductor did with amax's
-    backward) would train every run to NaN.
-
-    Both steps round the same sums at the same precision in different places, so each lies about
-    as far from the exact values (float64; fp32 for fp16 and bf16, 2^13 times finer than fp16) as
-    the other. So each of the loss and the gradients may differ from eager's by 4 times eager's own
-    distance from the exact values relative to its size, and by at least 4 times the median of
-    those distances. A NaN, a zeroed or a doubled gradient lies outside in fp32 and fp16, mostly in
-    bf16 (README: the compiled step's check)."""
+    """None if the compiled step gives eager's loss and gradients on this batch to within the
+    dtype's rounding, else which disagreed and by how much (a compiler that miscomputes would
+    train every run to NaN, silently). Both steps round in different places, so each lies about as
+    far from the exact values (float64; fp32 for fp16 and bf16) as the other: each may differ from
+    eager's by 4 times eager's own relative error, and at least 4 times the median of those
+    (README: the compiled step's check)."""
     wide = torch.float64 if networks.dtype in (torch.float32, torch.float64) else torch.float32
     exact_on = torch.device('cpu') if x.device.type == 'mps' and wide == torch.float64 else x.device
     exact_net = copy.deepcopy(networks.network).to(exact_on, wide)
@@ -925,9 +908,8 @@ def causes(error):
 
 
 def compile_failure_line(error, on_rank):
-    """The line that says why a compilation failed: the innermost exception that says something
-    (the wrappers' own first lines vary with torch's version), and the cache to delete if it is
-    one that an interrupted compilation damaged."""
+    """Why a compilation failed, in one line: the innermost exception that says something, and the
+    cache to delete if an interrupted compilation damaged it."""
     chain = [e for e in causes(error)][:32]
     root = next((e for e in reversed(chain) if str(e).strip()), chain[-1])
     reason = f'{type(root).__name__}: {(str(root).strip().splitlines() or [""])[0]}'[:200]
@@ -962,15 +944,13 @@ def torchrun_ranks():
 
 
 def rank_and_world():
-    """This process's rank and the number of ranks a batch is split over: (0, 1) in one process,
-    and when each rank trains whole runs."""
+    """This rank and the ranks each batch is split over: (0, 1) in one process, and spread."""
     return (dist.get_rank(), dist.get_world_size()) if SPLIT_BATCHES else (0, 1)
 
 
 def join_process_group(device, split_batches=True):
-    """Join the ranks torchrun started: NCCL between GPUs that split batches, gloo otherwise (CPU
-    processes, and ranks that train whole runs, which only meet at barriers: an idle NCCL
-    communicator would make the ranks wait for each other to leave)."""
+    """Join the ranks torchrun started: NCCL between GPUs that split batches, else gloo (CPUs, and
+    ranks of whole runs, which meet only at barriers: an idle NCCL group would hang at the end)."""
     global SPLIT_BATCHES
     import torch.distributed.nn  # noqa: F401  now, not later: see leave_process_group
     nccl = device.type == 'cuda' and split_batches
@@ -981,17 +961,9 @@ def join_process_group(device, split_batches=True):
 
 
 def leave_process_group():
-    """Destroy the process group, and with it gloo's worker threads, while Python still runs.
-
-    A gloo thread lets go of a collective's tensors only after the collective has returned; when
-    that falls after the interpreter began to shut down, the thread cannot take the GIL to free
-    them and the process aborts ("terminate called without an active exception": 2 of 66 runs of
-    the two-rank test's worker). The group joins its threads when its last reference goes, so the
-    caller drops its DistributedDataParallel models first, and torch.distributed.nn was imported
-    before the group existed: imported later, its functions' default arguments would hold the group
-    for good. torch lets go of the GIL while it joins them (2.8 and later; 2.6 and 2.7 deadlock here
-    in the tests).
-    """
+    """Destroy the process group, and with it gloo's threads, while Python still runs (a thread
+    left to the interpreter's shutdown aborts the process). The caller drops its DDP models first;
+    join_process_group imported torch.distributed.nn before the group, which it would hold."""
     global SPLIT_BATCHES
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -999,11 +971,9 @@ def leave_process_group():
 
 
 def data_parallel(net, device):
-    """net wrapped in DistributedDataParallel when the ranks split each batch (else net itself): it
-    copies rank 0's weights and buffers to every rank, then averages the gradients. It must not
-    also copy rank 0's batch-norm statistics at every forward, since train_epoch averages them over
-    the ranks (torch >= 2.13 calls that option forward_sync_buffers, older torch
-    broadcast_buffers)."""
+    """net in DistributedDataParallel when the ranks split each batch: it averages the gradients,
+    but must not copy rank 0's batch-norm statistics at every forward (train_epoch averages them;
+    torch >= 2.13 calls that forward_sync_buffers, older torch broadcast_buffers)."""
     if not SPLIT_BATCHES:
         return net
     options = inspect.signature(nn.parallel.DistributedDataParallel).parameters
@@ -1013,12 +983,12 @@ def data_parallel(net, device):
 
 
 def rank_share(batch_size):
-    """How many of a step's images this rank trains on (all of them in one process)."""
+    """How many of a step's images this rank trains on."""
     return batch_size // rank_and_world()[1]
 
 
 def rank_slice(items):
-    """This rank's share of the test set: items rank, rank + world, ... (all, in one process)."""
+    """This rank's share of the test set: items rank, rank + world, ..."""
     rank, world = rank_and_world()
     return items[rank::world]
 
@@ -1062,9 +1032,8 @@ SILENCE_S = 600  # the least time rank 0 waits for a silent rank's runs: Job.wai
 @contextlib.contextmanager
 def signals_held(discard=False):
     """Defer Ctrl-C (SIGINT) and torchrun's stop (SIGTERM) to the end of the block, so that what it
-    keeps and writes is whole; with discard, drop them (the job is already ending). Python runs
-    handlers in the main thread whichever thread the OS gave a signal to (gloo's threads take
-    them too), so the handlers are swapped: a signal mask would hold back only this thread's."""
+    writes is whole; with discard, drop them. Handlers, not a signal mask: the OS may hand the
+    signal to any thread (gloo's too), and Python runs every handler in the main thread."""
     held = [s for s in (signal.SIGINT, signal.SIGTERM) if signal.getsignal(s) is not None]
     if threading.current_thread() is not threading.main_thread():
         held = []  # only the main thread sets handlers; elsewhere the block runs as it is
@@ -1100,11 +1069,9 @@ def synced_clock(device):
 
 
 def warm_up(data, networks, hyp):
-    """A throwaway run before the first clock starts, so that one-off costs (the CUDA context,
-    cuDNN's algorithm search for each shape, first allocations) are not charged to run 1. It is
-    a run on all the data (the same uploads, padding, whitening patches and augmentation buffers,
-    so the allocator holds blocks of every size a run asks for) cut to 2 training steps and the
-    last two evaluation batches (the runs' batch shapes: a full one and the shorter last one)."""
+    """A throwaway run, so that one-off costs (the CUDA context, cuDNN's search for each shape,
+    first allocations) are not charged to run 1: a run on all the data, cut to 2 training steps and
+    the last two evaluation batches (a full one and the shorter last one: every shape of a run)."""
     train_run(data, networks, {**hyp, 'epochs': 1}, seed=0, on_epoch=lambda row: None,
               steps_per_epoch=2, test_batches=2)
 
@@ -1126,8 +1093,8 @@ def table_row(row):
 
 
 def header_lines(hyp, data, device, dtype, seed, flops, peak, world, fp32_math=None, spread=False):
-    """What a log must say before its first row: the script's version, the software and device,
-    how the ranks share the job, the settings, the data's provenance, the model FLOPs of a run."""
+    """What a log says before its first row: the script's version, the software and device, the
+    ranks, the settings, the data's provenance, the model FLOPs of a run."""
     split = world > 1 and not spread
     share = ('each training whole runs' if spread else
              f"{hyp['batch_size'] // world} images each per step")
@@ -1151,10 +1118,8 @@ def header_lines(hyp, data, device, dtype, seed, flops, peak, world, fp32_math=N
 
 
 def summarize(runs, gpu_price=None, count_94=True, flops=None, peak=None, world=1):
-    """Statistics over the finished runs; failed (diverged) runs are counted, not averaged.
-    count_94: count the runs that reached the recipe's 94 % (meaningless for --tiny). flops: the
-    model FLOPs of a run, for the achieved TFLOP/s, and with the peak TFLOP/s of one of the world
-    devices, the model-FLOP utilisation."""
+    """Statistics over the finished runs; failed (diverged) runs are counted, not averaged. flops
+    (a run's) gives the TFLOP/s achieved, and with the peak of one of the world devices, the MFU."""
     finished = [r for r in runs if not r['failed']]
     summary = dict(runs=len(runs), finished=len(finished), failed=len(runs) - len(finished))
     if not finished:
@@ -1244,10 +1209,8 @@ def script_hash():
 
 
 def count_flops(hyp, n_train, n_test):
-    """Model FLOPs of a run as torch.utils.flop_counter counts them (convolutions, matrix products),
-    on a copy of the network on the meta device, where nothing is computed: one training step
-    (forward and backward) of the whole batch, the whitening's patch moment, and one evaluation
-    pass (flip-TTA: two forwards of every test image)."""
+    """Model FLOPs of a run as torch.utils.flop_counter counts them, on the meta device (nothing is
+    computed): a training step, the whitening's patch moment, an evaluation pass (flip-TTA)."""
     from torch.utils.flop_counter import FlopCounterMode
 
     def flops(work):
@@ -1295,8 +1258,7 @@ PEAK_TFLOPS = (
 
 
 def peak_tflops(device, dtype, given=None):
-    """The device's peak for this dtype: the --peak-tflops given, else the table's dense fp16/bf16
-    figure for a known GPU training in fp16 or bf16; None when unknown (a CPU, fp32)."""
+    """The --peak-tflops given, else the table's figure for a known GPU training in fp16 or bf16."""
     if given:
         return given
     if device.type != 'cuda' or dtype not in (torch.float16, torch.bfloat16):
@@ -1310,9 +1272,8 @@ def peak_tflops(device, dtype, given=None):
 # Statistics: the t distribution, Welch's comparison, the runs a comparison needs
 # =============================================================================================
 def t_cdf(t, df):
-    """P(T <= t) for Student's t with df > 0 degrees of freedom. Its tail is I_x(df/2, 1/2) / 2,
-    x = df / (df + t^2), the regularised incomplete beta function, from its continued fraction by
-    Lentz's method (Numerical Recipes 6.4); computed directly, so a small p keeps its digits."""
+    """P(T <= t) for Student's t with df > 0: the tail is I_x(df/2, 1/2) / 2, x = df / (df + t^2),
+    the incomplete beta function's continued fraction by Lentz's method (Numerical Recipes 6.4)."""
     if t == 0:
         return 0.5
     a, b, x = df / 2, 0.5, df / (df + t * t)
@@ -1345,8 +1306,8 @@ def t_quantile(p, df):
 
 
 def welch(a, b):
-    """Welch's comparison of the means of two samples: the difference b - a, its standard error,
-    degrees of freedom (Welch-Satterthwaite), 95 % confidence interval and two-sided p-value."""
+    """Welch's comparison of two samples' means: b - a, its standard error, degrees of freedom,
+    95 % confidence interval and two-sided p-value."""
     va, vb = np.var(a, ddof=1) / len(a), np.var(b, ddof=1) / len(b)
     diff, se = float(np.mean(b) - np.mean(a)), math.sqrt(va + vb)
     if se == 0:
@@ -1358,10 +1319,8 @@ def welch(a, b):
 
 
 def runs_for_power(diff, std_a, std_b, power=0.8, most=100_000):
-    """Runs a side for Welch's test at the 5 % level to find a true difference diff with this
-    power, when the sides spread as std_a and std_b: the first n whose t statistic, centred on
-    diff / se(n), passes the critical value that often (the usual shifted-t approximation of the
-    noncentral t). None if more than `most` are needed."""
+    """Runs a side for Welch's test at the 5 % level to find a true difference diff with this power
+    (the shifted-t approximation of the noncentral t); None if more than `most`."""
     def enough(n):
         df = (n - 1) * (std_a ** 2 + std_b ** 2) ** 2 / (std_a ** 4 + std_b ** 4)
         se = math.sqrt((std_a ** 2 + std_b ** 2) / n)
@@ -1381,7 +1340,7 @@ def runs_for_power(diff, std_a, std_b, power=0.8, most=100_000):
 # =============================================================================================
 def write_atomically(path, data, flag):
     """Write bytes through a temporary file beside path, so that a write cut short (a full disk, a
-    kill) leaves path as it was; a failure is a UserError that names the option and the cause."""
+    kill) leaves path as it was; a failure is a UserError naming the option."""
     path = Path(path)
     tmp = path.with_name(f'.{path.name}.{os.getpid()}.part')
     try:
@@ -1403,9 +1362,8 @@ def json_ready(x):
 
 
 def write_results(args, context, runs, summary, hyp, ema=None, ema_run=None):
-    """Write --json, --log-tsv and --save (ema, the EMA model of run ema_run) from the runs finished
-    so far, each atomically. Called after every run, so that a crash, a kill or a lost notebook
-    kernel at run 37 keeps runs 1-36."""
+    """Write --json, --log-tsv and --save (ema, the EMA model of run ema_run), each atomically,
+    after every run: a crash at run 37 keeps runs 1-36."""
     if args.json:
         job = dict(context, runs_finished=len(runs), runs_requested=args.runs, runs=runs,
                    summary=summary)
@@ -1446,8 +1404,8 @@ def job_file_text(job):
 
 
 def read_job(path, option):
-    """The --json file of a job of this version of the script, read (never written); anything else
-    is a one-line UserError, and the file is left as it is. A diverged run's NaNs read as null."""
+    """The --json file of a job of this version of the script; anything else is a one-line
+    UserError, and the file is left as it is. A diverged run's NaNs read as null."""
     path = Path(path)
     try:
         job = json.loads(path.read_text())
@@ -1486,9 +1444,8 @@ def check_new_job_file(path):
 
 
 def hold_job_file(path):
-    """Make this process the one writer of the job file at path: an flock on a hidden lock file
-    beside it, which the system releases however the process ends, holding the process id that a
-    second job is told. None where the system has no flock (Windows) or refuses it (some NFS)."""
+    """Make this process the one writer of path: an flock on a hidden lock file beside it (released
+    however the process ends), holding our process id; None where there is no flock (Windows)."""
     try:
         import fcntl
     except ImportError:
@@ -1543,9 +1500,8 @@ def job_differences(a, b, keys=JOB_KEYS):
 
 
 def resumed_runs(job, path, context, runs_requested):
-    """The recorded runs (finished or failed) of the job read from path, which must be this job:
-    the same settings, on the same kind of device, data and number of ranks, with no run beyond
-    runs_requested."""
+    """The runs of the job read from path, which must be this job (the same settings, kind of
+    device, data and ranks), with no run beyond runs_requested."""
     differences = job_differences(job, context)
     if differences:
         tiny = {k: v for k, v in json_ready(TINY).items() if k != 'epochs'}
@@ -1606,8 +1562,8 @@ def run_table_lines(run, runs_requested, source=''):
 
 
 def compare_lines(path_a, path_b):
-    """The report of --compare: each job's final accuracies, then B - A with Welch's interval and
-    p-value, and the runs per side that would resolve a difference of that size."""
+    """--compare's report: each job's accuracies, B - A with Welch's interval and p-value, and the
+    runs a side that would resolve a difference of that size."""
     a, b = read_job(path_a, '--compare'), read_job(path_b, '--compare')
     for key in DATA_KEYS:
         if a[key] != b[key]:
@@ -1723,8 +1679,7 @@ def parse_args(argv):
 
 
 def in_notebook_cell():
-    """True when a notebook kernel (Colab, Jupyter) runs this file as a cell: sys.argv is then the
-    kernel's (`-f kernel.json`), not ours. `%run train_cifar10.py ARGS` sets a real argv instead."""
+    """True in a notebook cell (Colab, Jupyter), where sys.argv is the kernel's; %run sets ours."""
     return os.path.basename(sys.argv[0]).endswith('kernel_launcher.py')
 
 
@@ -1768,8 +1723,8 @@ def check_options(args, hyp, world):
 
 
 def prepare_data(args, hyp, local_rank, world):
-    """Load (downloading if needed) the data set, the --tiny subset of it, and check the batch size.
-    Under torchrun one rank per machine downloads while the others wait, then they all read it."""
+    """Load (downloading if needed) the data, or the --tiny subset; one rank per machine downloads
+    while the others wait."""
     if world > 1 and local_rank != 0:
         dist.barrier()
     folder = ensure_cifar10(args.data_dir, args.data_url, CIFAR10_MD5)
@@ -1787,17 +1742,16 @@ def prepare_data(args, hyp, local_rank, world):
 
 
 def rank_files(path):
-    """Where the ranks of a --spread runs job but rank 0 leave their finished runs for it: a job
-    file of each, hidden beside the job's own (.NAME.rankR), which rank 0 removes at the end."""
+    """The job files (.NAME.rankR, beside NAME) in which the ranks of a --spread runs job but rank 0
+    leave their finished runs for it; rank 0 removes them at the end."""
     path = Path(path)
     pattern = re.escape(f'.{path.name}.rank') + r'\d+'
     return sorted(p for p in path.parent.iterdir() if re.fullmatch(pattern, p.name))
 
 
 class Job:
-    """One command's runs: its settings, device and data, the runs read back or trained, and the
-    files written after each. main drives it: set_up, train, finish. Under torchrun the ranks split
-    each batch, or with --spread runs each trains whole runs and rank 0 takes them in."""
+    """One command's runs, the files written after each, and what they need (device, data). main
+    drives it: set_up, train, finish."""
 
     def __init__(self, args):
         self.args = args
@@ -1813,7 +1767,7 @@ class Job:
 
     def set_up(self):
         """Check the options, choose the device and dtype, load the data, read back a resumed job:
-        all that can be wrong is found here, before any training, and raised as a UserError."""
+        all that can be wrong is raised here as a UserError, before any training."""
         args, hyp = self.args, self.hyp
         check_options(args, hyp, self.batch_ranks)
         if args.spread == 'runs' and self.world == 1:
@@ -1867,8 +1821,7 @@ class Job:
 
     def train(self):
         """Print the header and the runs read back, warm up (compiling first), then train the
-        missing runs: all of them, or with --spread runs this rank's share (runs rank + 1,
-        rank + 1 + world, ... of those missing)."""
+        missing runs, or with --spread runs this rank's share (every world-th from rank + 1)."""
         args, hyp, log = self.args, self.hyp, self.log
         if self.device.type == 'cuda':
             torch.backends.cudnn.benchmark = True  # fixed shapes: cuDNN picks the fastest kernels
@@ -1894,10 +1847,9 @@ class Job:
                 path.unlink()  # every run in it is in --json
 
     def wait_for_other_ranks(self):
-        """Rank 0, its own runs done: take in the other ranks' last runs as they land. A rank
-        silent for 3 times the longest run so far, and at least 10 minutes, is taken for lost:
-        torchrun stops the job when one of its node's ranks dies, but nothing watches another
-        node's."""
+        """Rank 0, its own runs done: take in the other ranks' last runs. A rank silent for 3 times
+        the longest run, and at least SILENCE_S, is taken for lost (on another node, nothing else
+        watches it)."""
         last = time.perf_counter()
         while missing_runs(self.runs, self.args.runs):
             if self.collect():
@@ -1922,7 +1874,7 @@ class Job:
 
     def train_one(self, run):
         """Train run number `run` (seed: the first seed + run - 1) and keep it. Its table prints as
-        it trains; with --spread runs, whole and in run order, from rank 0, once it has arrived."""
+        it trains; with --spread runs, whole, in run order, from rank 0."""
         args, hyp, seed = self.args, self.hyp, self.args.seed + run - 1
         if not self.spread:
             self.log(f'\nrun {run}/{args.runs} (seed {seed})\n{table_line(COLUMNS)}', flush=True)
@@ -1947,9 +1899,8 @@ class Job:
             self.take_in([record], None if failed else self.networks.ema)
 
     def take_in(self, records, ema=None):
-        """Keep finished runs (this rank's, or gathered by rank 0), print the tables now due, and
-        write the files, Ctrl-C held meanwhile; ema, the model of the one run this rank just
-        trained, goes to --save."""
+        """Keep finished runs, print the tables now due and write the files, Ctrl-C held meanwhile;
+        ema, the model of the run just trained, goes to --save."""
         with signals_held():
             self.runs = sorted(self.runs + records, key=lambda r: r['run'])
             self.kept_at = time.perf_counter()
@@ -1965,9 +1916,8 @@ class Job:
             self.print_due()
 
     def print_due(self, all_finished=False):
-        """Print, in run order, the tables of the finished runs whose turn has come (with
-        all_finished, those after a missing run too). A run trained here printed its rows as it
-        trained, but for a FAILED line; a spread job's runs print whole."""
+        """Print, in run order, the tables of the finished runs whose turn has come (all_finished:
+        past a missing run too): a spread job's whole, others' FAILED line only."""
         done = {r['run']: r for r in self.runs}
         while self.unprinted and (self.unprinted[0] in done or all_finished):
             record = done.get(self.unprinted.pop(0))
@@ -1977,8 +1927,8 @@ class Job:
                 self.log(run_table_lines(record, self.args.runs)[-1])  # its rows are printed
 
     def summary(self):
-        """The summary of the finished runs, with how many were read back by --resume, the job's
-        throughput, and on CUDA the peak GPU memory of the runs this process trained."""
+        """The summary of the finished runs, with those read back, the throughput, on CUDA the peak
+        GPU memory."""
         args = self.args
         summary = summarize(self.runs, args.gpu_price, count_94=not args.tiny,
                             flops=self.flops['run'], peak=self.peak, world=self.batch_ranks)
@@ -2001,9 +1951,8 @@ class Job:
         self.log(f'\ninterrupted{finished}')
 
     def finish(self):
-        """Print the summary of the finished runs; the exit status: 130 for an interrupted job (the
-        shell's code for Ctrl-C), 1 if a run failed, else 0. With --spread runs, ranks other than 0
-        end with 0 once they have sent their runs."""
+        """Print the summary; the exit status: 130 if interrupted (the shell's for Ctrl-C), 1 if a
+        run failed or is missing, else 0 (a spread job's other ranks: 0 once runs are sent)."""
         if self.runs:
             self.log('\n' + '\n'.join(summary_lines(self.summary())))
         if self.spread and self.rank != 0:
@@ -2027,12 +1976,9 @@ def compare(paths, argv):
 
 
 def main(argv=None):
-    """Train --runs models, print the table and the summary; returns the exit status.
-
-    Run plainly, this is one process. Run under torchrun, it is one rank of a process group
-    (NCCL on CUDA, gloo on CPU) and only rank 0 prints and writes files. Ctrl-C at any stage
-    ends it cleanly: exit status 130, the summary of the runs finished so far, no traceback.
-    """
+    """Train --runs models, print the tables and the summary; returns the exit status. Under
+    torchrun, one rank of a process group; only rank 0 prints and writes files. Ctrl-C at any
+    stage ends it cleanly: status 130, the summary of the finished runs, no traceback."""
     if argv is None:
         argv = [] if in_notebook_cell() else sys.argv[1:]
     try:
