@@ -480,7 +480,8 @@ def train_epoch(networks, images, labels, epoch, steps, hyp):
     waits for them) and the last lr. Each step reads the schedule at its own end, so the first lr
     is not zero. The EMA is updated after batches 0, 5, 10, ... of every epoch, as Page's was."""
     knots, values = lr_knots(hyp)
-    batch = rank_share(hyp['batch_size'])  # this rank's images of a step (all, in one process)
+    world = rank_and_world()[1]  # the ranks that split each batch: 1 in one process
+    batch = hyp['batch_size'] // world  # this rank's images of a step
     loss_sum = torch.zeros((), device=images.device)
     correct = torch.zeros((), device=images.device, dtype=torch.long)
     for i in range(steps):
@@ -489,7 +490,7 @@ def train_epoch(networks, images, labels, epoch, steps, hyp):
         x, y = images[i * batch:(i + 1) * batch], labels[i * batch:(i + 1) * batch]
         networks.network.zero_grad()  # to None before the forward: the last gradients are freed
         loss, logits = networks.loss(x, y)
-        global_batch_loss(loss).backward()  # the loss itself in one process
+        (loss * world).backward()  # DDP averages the ranks' gradients: x world, the global sum's
         networks.optimiser.step(lr)
         if i % hyp['ema_every'] == 0:
             average_over_ranks(networks.batch_norm_statistics)  # nothing in one process
@@ -505,9 +506,10 @@ def train_epoch(networks, images, labels, epoch, steps, hyp):
 def test_set(data, networks, hyp, last_batches=None):
     """This rank's test images, normalised in the EMA's dtype, and labels (the last_batches last
     evaluation batches of them, if given)."""
-    images = normalise(rank_slice(data['test_images']), networks.device, networks.ema_dtype)
+    rank, world = rank_and_world()  # this rank's: images rank, rank + world, ...
+    images = normalise(data['test_images'][rank::world], networks.device, networks.ema_dtype)
     images = images.contiguous(memory_format=networks.memory_format)
-    labels = torch.from_numpy(rank_slice(data['test_labels'])).to(networks.device)
+    labels = torch.from_numpy(data['test_labels'][rank::world]).to(networks.device)
     if last_batches:
         batch = hyp['eval_batch_size']
         return [torch.cat(t.split(batch)[-last_batches:]) for t in (images, labels)]
@@ -841,7 +843,7 @@ def compile_passes(networks, data, hyp, device):
     """Compile the training step and the flip-TTA pass at the runs' shapes, and check the step
     against eager's; returns what disagreed, or None. No collective runs (no_sync), so a rank whose
     compilation fails leaves no other rank waiting for it."""
-    b = rank_share(hyp['batch_size'])
+    b = hyp['batch_size'] // rank_and_world()[1]
     images = normalise(data['train_images'][:hyp['whitening_images']], device, torch.float32)
     networks.reinitialise(whitening_filters(images, hyp['whitening_eps']), seed=0)  # a run's first
     x = normalise(data['train_images'][:b], device, networks.dtype)
@@ -981,23 +983,6 @@ def data_parallel(net, device):
     return nn.parallel.DistributedDataParallel(
         net, device_ids=[device] if device.type == 'cuda' else None, **{no_forward_sync: False})
 
-
-def rank_share(batch_size):
-    """How many of a step's images this rank trains on."""
-    return batch_size // rank_and_world()[1]
-
-
-def rank_slice(items):
-    """This rank's share of the test set: items rank, rank + world, ..."""
-    rank, world = rank_and_world()
-    return items[rank::world]
-
-
-def global_batch_loss(loss):
-    """The loss to differentiate: DistributedDataParallel averages the gradients over the ranks, so
-    each rank's summed loss is scaled by their number, which makes the update that of the loss
-    summed over the global batch; in one process, the loss itself."""
-    return loss * dist.get_world_size() if SPLIT_BATCHES else loss
 
 
 @torch.no_grad()
