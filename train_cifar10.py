@@ -1800,7 +1800,8 @@ class Job:
                                if run['run'] not in known]
         self.runs = sorted(self.read_back, key=lambda run: run['run'])
         if self.rank == 0 and (left or self.spread):
-            self.take_in([])  # --json holds every run before any rank rewrites its file
+            with signals_held():
+                self.write()  # --json holds every run before any rank rewrites its file
         if self.spread:
             dist.barrier()  # ... nor before every rank has read them
 
@@ -1890,15 +1891,19 @@ class Job:
             self.runs = sorted(self.runs + records, key=lambda r: r['run'])
             self.kept_at = time.perf_counter()
             if self.rank == 0:
-                try:
-                    write_results(self.args, self.context, self.runs, self.summary(), self.hyp,
-                                  ema, records[-1] if ema is not None else None)
-                except UserError as e:
-                    json = self.args.json and Path(self.args.json).exists()
-                    rest = (f'--resume {self.args.json} trains the runs it lacks' if json else
-                            'run the same command again')
-                    raise UserError(f'{e}: the job stopped; fix that, then {rest}') from None
+                self.write(ema, records[-1] if ema is not None else None)
             self.print_due()
+
+    def write(self, ema=None, ema_run=None):
+        """Write the files of the runs kept; a failure stops the job with one line."""
+        try:
+            write_results(self.args, self.context, self.runs, self.summary(), self.hyp, ema,
+                          ema_run)
+        except UserError as e:
+            json = self.args.json and Path(self.args.json).exists()
+            rest = (f'--resume {self.args.json} trains the runs it lacks' if json else
+                    'run the same command again')
+            raise UserError(f'{e}: the job stopped; fix that, then {rest}') from None
 
     def print_due(self, all_finished=False):
         """Print, in run order, the tables of the finished runs whose turn has come (all_finished:
