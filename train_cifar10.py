@@ -144,7 +144,8 @@ def draw_augmentation(n, hyp, generator):
 
 def crop(padded, top, left, size):
     """Image i's size x size window at (top[i], left[i]), top and left on the CPU: the images
-    grouped by offset (81 groups for a pad of 4), each cut with a slice, as Page's loader does."""
+    grouped by offset (81 groups for a pad of 4), each cut with a slice, as Page's loader does (a
+    per-pixel gather would take 4 times the images' memory)."""
     width = padded.shape[3]
     offsets = top * width + left  # each image's, as one number
     order = torch.argsort(offsets, stable=True)  # the images grouped by offset
@@ -249,7 +250,8 @@ class WhitenedPrep(nn.Module):
 class GhostBatchNorm(nn.BatchNorm2d):
     """Batch norm with statistics over splits of split_size images, scale frozen at 1: noisier
     statistics regularise (Page: 32 images a split). Split k of s holds images k, k+s, ... as in
-    Page's code. Statistics in fp32; the running ones move by the splits' average."""
+    Page's code: a view (n/s, s, c, h, w), no copy. Statistics in fp32; the running ones move by
+    the splits' average."""
 
     def __init__(self, channels, split_size):
         super().__init__(channels)
