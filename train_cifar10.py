@@ -495,7 +495,7 @@ def train_epoch(networks, images, labels, epoch, steps, hyp):
         (loss * world).backward()  # DDP averages the ranks' gradients: x world, the global sum's
         networks.optimiser.step(lr)
         if i % hyp['ema_every'] == 0:
-            average_over_ranks(networks.batch_norm_statistics)  # nothing in one process
+            average_over_ranks(networks.batch_norm_statistics)  # the EMA then is one process's
             ema_update(*networks.averaged_and_trained, hyp['ema_momentum'] ** hyp['ema_every'])
         loss_sum += loss.detach()
         correct += (logits.argmax(1) == y).sum()
