@@ -1672,21 +1672,21 @@ def in_notebook_cell():
 
 def check_options(args, hyp, world):
     """Refuse, before any work, the options that cannot make a sensible run."""
-    for name in ('epochs', 'runs'):
-        if getattr(args, name) <= 0:
-            raise UserError(f'--{name} must be at least 1, not {getattr(args, name)}')
+    price, peak = args.gpu_price, args.peak_tflops
+    for flag, value, sensible, must in (
+            ('--epochs', args.epochs, args.epochs >= 1, 'be at least 1'),
+            ('--runs', args.runs, args.runs >= 1, 'be at least 1'),
+            ('--cutout', hyp['cutout'], 0 <= hyp['cutout'] <= 32, 'be between 0 and 32 pixels'),
+            ('--gpu-price', price, price is None or price >= 0, 'not be negative'),
+            ('--peak-tflops', peak, peak is None or peak > 0, 'be positive')):
+        if not sensible:
+            raise UserError(f'{flag} must {must}, not {value}')
     split = hyp['bn_split_size']
     if hyp['batch_size'] <= 0 or hyp['batch_size'] % (world * split):
         ranks = f' over {world} ranks (each takes a share of whole splits)' if world > 1 else ''
         raise UserError(f"--batch-size must be a positive multiple of {world * split}{ranks}, "
                         f"as ghost batch norm splits batches into {split} images; not "
                         f"{hyp['batch_size']}")
-    if not 0 <= hyp['cutout'] <= 32:
-        raise UserError(f"--cutout must be between 0 and 32 pixels, not {hyp['cutout']}")
-    if args.gpu_price is not None and args.gpu_price < 0:
-        raise UserError(f'--gpu-price must not be negative, not {args.gpu_price}')
-    if args.peak_tflops is not None and args.peak_tflops <= 0:
-        raise UserError(f'--peak-tflops must be positive, not {args.peak_tflops}')
     outputs = {'--json' if args.json else '--resume': args.json or args.resume,  # both written
                '--log-tsv': args.log_tsv, '--save': args.save}
     outputs = {flag: Path(path) for flag, path in outputs.items() if path}
