@@ -1716,7 +1716,7 @@ COMPILE_WORKER = """
 import sys, torch
 sys.path.insert(0, {repo!r})
 import train_cifar10 as T
-torch.set_num_threads(1)                          # two workers share the two cores
+torch.set_num_threads(1)                          # three workers share the two cores
 data = T.load_cifar10(T.ensure_cifar10({data!r}))
 data = {{k: v[:64] if k.startswith('train') else v for k, v in data.items()}}   # 1 step of --tiny, see below
 hyp = {{**T.HYP, **T.TINY, 'epochs': 1}}
@@ -1736,60 +1736,59 @@ HALF_PRECISION_WORKER = """
 import sys, torch
 sys.path.insert(0, {repo!r})
 import train_cifar10 as T
-torch.set_num_threads(1)                          # two workers share the two cores
-cpu = torch.device('cpu')
+torch.set_num_threads(1)                          # three workers share the two cores
+dtype, cpu = getattr(torch, {dtype!r}), torch.device('cpu')
 data = T.load_cifar10(T.ensure_cifar10({data!r}))
 hyp = {{**T.HYP, **T.TINY}}
-for name in ('float16', 'bfloat16'):              # in turn, in one process: one start-up, one import
-    dtype = getattr(torch, name)
-    networks = T.Networks(hyp, cpu, dtype, compiled=True, channels_last=True)
-    networks.reinitialise(T.whitening_filters(T.normalise(data['train_images'], cpu, torch.float32), 1e-2), seed=0)
-    x = T.normalise(data['train_images'][:64], cpu, dtype).contiguous(memory_format=torch.channels_last)
-    y = torch.from_numpy(data['train_labels'][:64])
-    disagreement = T.compiled_step_disagreement(networks, x, y, hyp)   # leaves the compiled step's gradients
-    compiled = {{n: p.grad.clone() for n, p in networks.network.named_parameters() if p.requires_grad}}
-    networks.network.zero_grad()
-    T.summed_loss(networks.parallel, x, y, hyp['label_smoothing'])[0].backward()
-    eager = {{n: p.grad.clone() for n, p in networks.network.named_parameters() if p.requires_grad}}
-    networks.reinitialise(networks.initial.prep[0].whitening, seed=0)
-    losses = [T.summed_loss(networks.network, x, y, hyp['label_smoothing'])[0].item() / 64]
-    batches = x.repeat(5, 1, 1, 1).contiguous(memory_format=torch.channels_last), y.repeat(5)
-    for epoch in range(3):                        # a learnable task: 3 epochs of 5 steps on one batch
-        T.train_epoch(networks, *batches, epoch + 1, 5, {{**hyp, 'epochs': 3}})
-    losses.append(T.summed_loss(networks.network, x, y, hyp['label_smoothing'])[0].item() / 64)
-    test = T.normalise(data['test_images'], cpu, networks.ema_dtype).contiguous(memory_format=torch.channels_last)
-    networks.flip_tta_logits = T.flip_tta_logits  # the fp32 EMA's pass: COMPILE_WORKER compiles it, not again
-    evaluation = T.evaluate(networks, test, torch.from_numpy(data['test_labels']), hyp)
-    whitening_kept = torch.equal(networks.ema.prep[0].whitening, networks.network.prep[0].whitening)
-    torch.save(dict(disagreement=disagreement, compiled=compiled, eager=eager, losses=losses, evaluation=evaluation,
-                    whitening_kept=whitening_kept,
-                    net={{n: t.dtype for n, t in networks.network.state_dict().items()}},
-                    ema={{n: t.dtype for n, t in networks.ema.state_dict().items()}}), f'{out}/{{name}}.pt')
+networks = T.Networks(hyp, cpu, dtype, compiled=True, channels_last=True)
+networks.reinitialise(T.whitening_filters(T.normalise(data['train_images'], cpu, torch.float32), 1e-2), seed=0)
+x = T.normalise(data['train_images'][:64], cpu, dtype).contiguous(memory_format=torch.channels_last)
+y = torch.from_numpy(data['train_labels'][:64])
+disagreement = T.compiled_step_disagreement(networks, x, y, hyp)   # leaves the compiled step's gradients
+compiled = {{n: p.grad.clone() for n, p in networks.network.named_parameters() if p.requires_grad}}
+networks.network.zero_grad()
+T.summed_loss(networks.parallel, x, y, hyp['label_smoothing'])[0].backward()
+eager = {{n: p.grad.clone() for n, p in networks.network.named_parameters() if p.requires_grad}}
+networks.reinitialise(networks.initial.prep[0].whitening, seed=0)
+losses = [T.summed_loss(networks.network, x, y, hyp['label_smoothing'])[0].item() / 64]
+batches = x.repeat(5, 1, 1, 1).contiguous(memory_format=torch.channels_last), y.repeat(5)
+for epoch in range(3):                            # a learnable task: 3 epochs of 5 steps on one batch
+    T.train_epoch(networks, *batches, epoch + 1, 5, {{**hyp, 'epochs': 3}})
+losses.append(T.summed_loss(networks.network, x, y, hyp['label_smoothing'])[0].item() / 64)
+test = T.normalise(data['test_images'], cpu, networks.ema_dtype).contiguous(memory_format=torch.channels_last)
+networks.flip_tta_logits = T.flip_tta_logits      # the fp32 EMA's pass: COMPILE_WORKER compiles it, not again
+evaluation = T.evaluate(networks, test, torch.from_numpy(data['test_labels']), hyp)
+whitening_kept = torch.equal(networks.ema.prep[0].whitening, networks.network.prep[0].whitening)
+torch.save(dict(disagreement=disagreement, compiled=compiled, eager=eager, losses=losses, evaluation=evaluation,
+                whitening_kept=whitening_kept,
+                net={{n: t.dtype for n, t in networks.network.state_dict().items()}},
+                ema={{n: t.dtype for n, t in networks.ema.state_dict().items()}}), {out!r} + '/run.pt')
 """
 
 
 @pytest.fixture(scope='module')
 def compiled_runs(dataset, tmp_path_factory):
     """What compiled training gives on the CPU, narrow: fp32 (COMPILE_WORKER, beside eager, with
-    torch's recompile log), and the GPU's default path, fp16, then its bf16 variant
+    torch's recompile log), and the GPU's default path, fp16, with its bf16 variant
     (HALF_PRECISION_WORKER, whose fp32 EMA is evaluated eager: its compiled pass is fp32's).
-    'float32' and 'half' -> (the folder of their results, the stderr). The two workers run at once,
-    each compiling for a minute or two, mostly on one core."""
+    dtype -> (the folder of its results, its stderr). The three workers run at once: each spends
+    most of a minute compiling, mostly on one core."""
     folder = tmp_path_factory.mktemp('compiled')
     workers = {}
-    for name, worker in (('float32', COMPILE_WORKER), ('half', HALF_PRECISION_WORKER)):
-        out = folder / name
+    for dtype in ('float32', 'float16', 'bfloat16'):
+        out = folder / dtype
         out.mkdir()
+        worker = COMPILE_WORKER if dtype == 'float32' else HALF_PRECISION_WORKER
         script = out / 'worker.py'
-        script.write_text(worker.format(repo=str(SCRIPT.parent), data=str(dataset), out=str(out)))
-        workers[name] = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE,
-                                         stderr=subprocess.PIPE, text=True,
-                                         env={**os.environ, 'TORCH_LOGS': 'recompiles'})
+        script.write_text(worker.format(repo=str(SCRIPT.parent), data=str(dataset), dtype=dtype, out=str(out)))
+        workers[dtype] = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE,
+                                          stderr=subprocess.PIPE, text=True,
+                                          env={**os.environ, 'TORCH_LOGS': 'recompiles'})
     results = {}
-    for name, worker in workers.items():
+    for dtype, worker in workers.items():
         _, stderr = worker.communicate(timeout=900)
         assert worker.returncode == 0, stderr
-        results[name] = folder / name, stderr
+        results[dtype] = folder / dtype, stderr
     return results
 
 
@@ -1828,7 +1827,7 @@ def test_the_gpu_default_compiled_half_precision_trains_as_eager(compiled_runs, 
     norm's, the EMA and its evaluation are fp32, and 15 steps on one batch learn it.
     With amax as the global pool, inductor's backward gave NaN to every gradient below the head,
     in fp16 and bf16 alike."""
-    run = torch.load(compiled_runs['half'][0] / f'{dtype}.pt')
+    run = torch.load(compiled_runs[dtype][0] / 'run.pt')
     assert run['disagreement'] is None
     for name, compiled in run['compiled'].items():
         eager = run['eager'][name]
