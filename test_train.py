@@ -1087,7 +1087,7 @@ def test_bf16_is_asked_of_the_chosen_gpu_and_refused_where_only_emulated(monkeyp
 # ---------------------------------------------------------------------------------------------
 # End to end
 # ---------------------------------------------------------------------------------------------
-def test_tiny_run_learns_prints_the_table_and_writes_its_files(dataset, tmp_path):
+def test_tiny_run_learns_prints_the_table_and_writes_its_files(dataset, tmp_path, monkeypatch, capsys):
     out = tmp_path / 'out'
     out.mkdir()
     result = run_script('--tiny', '--data-dir', str(dataset), '--runs', '2', '--json', str(out / 'r.json'),
@@ -1127,23 +1127,23 @@ def test_tiny_run_learns_prints_the_table_and_writes_its_files(dataset, tmp_path
     snippet = readme.split('## Use a saved model')[1].split('```python\n')[1].split('```')[0]
     assert "torch.load('ema.pt')" in snippet and '[:8]' in snippet
     (out / 'data').symlink_to(dataset)
-    result = subprocess.run([sys.executable, '-c', snippet.replace('[:8]', '')], capture_output=True, text=True,
-                            cwd=out, env={**os.environ, 'PYTHONPATH': str(SCRIPT.parent)}, timeout=120)
-    assert result.returncode == 0, result.stderr
-    predicted = eval(result.stdout)
+    monkeypatch.chdir(out)                                        # here, in the test's process
+    capsys.readouterr()
+    exec(snippet.replace('[:8]', ''), {})
+    predicted = eval(capsys.readouterr().out)
     labels = T.load_cifar10(dataset / T.BATCHES_DIR)['test_labels']
     assert len(predicted) == len(labels) and set(predicted) <= set(T.CLASSES)
     assert np.mean([p == T.CLASSES[y] for p, y in zip(predicted, labels)]) == pytest.approx(last['valid_acc'])
 
 
 def test_seeds_make_runs_repeatable_and_different(dataset, tmp_path):
-    def valid_losses(seed):
-        path = tmp_path / f'{seed}_{len(list(tmp_path.iterdir()))}.json'   # a new job, a new file
-        assert T.main(['--tiny', '--data-dir', str(dataset), '--epochs', '1', '--seed', str(seed),
-                       '--json', str(path)]) == 0
-        return [r['valid_loss'] for r in json.loads(path.read_text())['runs'][0]['rows']]
-    assert valid_losses(5) == valid_losses(5)
-    assert valid_losses(5) != valid_losses(6)
+    """--seed 5 --runs 2 trains seeds 5 and 6, which differ; --seed 6 alone repeats the second."""
+    def valid_losses(*args):
+        path = tmp_path / f'{len(list(tmp_path.iterdir()))}.json'  # a new job, a new file
+        assert T.main(['--tiny', '--data-dir', str(dataset), '--epochs', '1', *args, '--json', str(path)]) == 0
+        return [[row['valid_loss'] for row in run['rows']] for run in json.loads(path.read_text())['runs']]
+    five, six = valid_losses('--seed', '5', '--runs', '2')
+    assert five != six and valid_losses('--seed', '6') == [six]
 
 
 def test_a_diverged_run_is_reported_as_failed(dataset, tmp_path, monkeypatch, capsys):
@@ -1231,12 +1231,15 @@ def without_times(run):
     return {k: [without_times(row) for row in v] if k == 'rows' else v for k, v in run.items() if k not in times}
 
 
-def test_a_job_killed_mid_way_keeps_its_results_and_resumes_where_it_stopped(dataset, tmp_path):
+def test_a_job_killed_mid_way_keeps_its_results_and_resumes_where_it_stopped(dataset, tmp_path, one_process_job):
+    """SIGKILL once run 1 has finished: its record, TSV rows and model are whole on disk, and --resume
+    trains runs 2-3 into the runs of an uninterrupted job (one_process_job's, one thread as here)."""
     paths = {name: tmp_path / name for name in ('r.json', 'r.tsv', 'ema.pt')}
     job = ['--tiny', '--epochs', '1', '--runs', '3', '--data-dir', str(dataset),
            '--log-tsv', str(paths['r.tsv']), '--save', str(paths['ema.pt'])]
+    one_thread = {**os.environ, 'OMP_NUM_THREADS': '1'}
     killed = subprocess.Popen([sys.executable, '-u', str(SCRIPT), *job, '--json', str(paths['r.json'])],
-                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=one_thread)
     try:
         for line in killed.stdout:
             if line.startswith('run 2/3'):                        # run 1 has finished
@@ -1251,7 +1254,8 @@ def test_a_job_killed_mid_way_keeps_its_results_and_resumes_where_it_stopped(dat
     assert len(paths['r.tsv'].read_text().splitlines()) == 2      # the header and run 1's epoch
     assert torch.load(paths['ema.pt'])['run'] == 1
 
-    resumed = run_script(*job, '--resume', str(paths['r.json']))
+    resumed = subprocess.run([sys.executable, str(SCRIPT), *job, '--resume', str(paths['r.json'])],
+                             capture_output=True, text=True, timeout=300, env=one_thread)
     assert resumed.returncode == 0, resumed.stderr
     assert 'run 1 read back, tables below; runs 2-3 to run now' in resumed.stdout
     assert 'run 1/3 (seed 0), read back from' in resumed.stdout
@@ -1260,19 +1264,8 @@ def test_a_job_killed_mid_way_keeps_its_results_and_resumes_where_it_stopped(dat
     assert (final['runs_finished'], final['runs_requested']) == (3, 3)
     assert final['runs'][0] == report['runs'][0]                  # the record written before the kill
     assert len(paths['r.tsv'].read_text().splitlines()) == 4 and torch.load(paths['ema.pt'])['run'] == 3
-    (tmp_path / 'whole').mkdir()
-    whole = run_script(*[a.replace(str(tmp_path), str(tmp_path / 'whole')) for a in job],
-                       '--json', str(tmp_path / 'whole.json'))
-    assert whole.returncode == 0, whole.stderr
-    uninterrupted = json.loads((tmp_path / 'whole.json').read_text())['runs']
+    uninterrupted = one_process_job['runs'][:3]                # seeds 0-2 of the same options
     assert [without_times(r) for r in final['runs']] == [without_times(r) for r in uninterrupted]
-
-    text, modified = paths['r.json'].read_bytes(), paths['r.json'].stat().st_mtime_ns
-    again = run_script(*job, '--resume', str(paths['r.json']))
-    assert again.returncode == 0, again.stderr
-    assert 'every run has finished: nothing to train' in again.stdout and 'warm-up:' not in again.stdout
-    assert 'runs: 3 finished (3 read back' in again.stdout and 'mean' in again.stdout
-    assert paths['r.json'].read_bytes() == text and paths['r.json'].stat().st_mtime_ns == modified
 
 
 @pytest.mark.parametrize('flag', ['--json', '--save'])
@@ -1398,15 +1391,15 @@ def test_resume_refuses_a_file_that_is_not_a_job_of_its_own_in_one_line(finished
 def test_resume_of_a_finished_job_prints_its_tables_and_summary_and_trains_nothing(finished_job, monkeypatch,
                                                                                   capsys):
     source, options = finished_job
-    text = source.read_bytes()
-    no_training(monkeypatch)
+    text, modified = source.read_bytes(), source.stat().st_mtime_ns
+    no_training(monkeypatch)                                      # no warm-up, no run
     assert T.main([*options, '--runs', '2', '--resume', str(source)]) == 0
     out = capsys.readouterr().out
     assert 'runs 1-2 read back, tables below; every run has finished: nothing to train' in out
     assert out.count(T.table_line(T.COLUMNS)) == 2 and f'runs: 2 finished (2 read back from {source})\n' in out
     accuracies = [r['accuracy'] for r in json.loads(text)['runs']]
     assert f'mean {100 * np.mean(accuracies):.2f} %' in out
-    assert source.read_bytes() == text
+    assert source.read_bytes() == text and source.stat().st_mtime_ns == modified   # not even rewritten
 
 
 def test_spread_runs_needs_json_and_keeps_a_ranks_runs_whose_job_file_is_gone(dataset, tmp_path, monkeypatch, capsys):
@@ -1763,6 +1756,7 @@ for epoch in range(3):                            # a learnable task: 3 epochs o
     T.train_epoch(networks, *batches, epoch + 1, 5, {{**hyp, 'epochs': 3}})
 losses.append(T.summed_loss(networks.network, x, y, hyp['label_smoothing'])[0].item() / 64)
 test = T.normalise(data['test_images'], cpu, networks.ema_dtype).contiguous(memory_format=torch.channels_last)
+networks.flip_tta_logits = T.flip_tta_logits      # the fp32 EMA's pass: COMPILE_WORKER compiles it, not again
 evaluation = T.evaluate(networks, test, torch.from_numpy(data['test_labels']), hyp)
 whitening_kept = torch.equal(networks.ema.prep[0].whitening, networks.network.prep[0].whitening)
 torch.save(dict(disagreement=disagreement, compiled=compiled, eager=eager, losses=losses, evaluation=evaluation,
@@ -1776,8 +1770,9 @@ torch.save(dict(disagreement=disagreement, compiled=compiled, eager=eager, losse
 def compiled_runs(dataset, tmp_path_factory):
     """What compiled training gives on the CPU, narrow: fp32 (COMPILE_WORKER, beside eager, with
     torch's recompile log), and the GPU's default path, fp16, with its bf16 variant
-    (HALF_PRECISION_WORKER). dtype -> (the folder of its results, its stderr). The three workers
-    run at once: each spends most of a minute compiling, mostly on one core."""
+    (HALF_PRECISION_WORKER, whose fp32 EMA is evaluated eager: its compiled pass is fp32's).
+    dtype -> (the folder of its results, its stderr). The three workers run at once: each spends
+    most of a minute compiling, mostly on one core."""
     folder = tmp_path_factory.mktemp('compiled')
     workers = {}
     for dtype in ('float32', 'float16', 'bfloat16'):
@@ -1908,16 +1903,6 @@ def test_every_gradient_has_its_weights_strides_in_channels_last():
     assert all(p.grad.stride() == p.stride() for p in networks.network.parameters() if p.requires_grad)
 
 
-def test_a_compile_that_cannot_compile_falls_back_to_eager_in_one_line(dataset):
-    result = subprocess.run([sys.executable, str(SCRIPT), '--tiny', '--compile', '--epochs', '1',
-                             '--data-dir', str(dataset)], capture_output=True, text=True, timeout=300,
-                            env={**os.environ, 'CXX': '/nonexistent/g++'})   # a machine without a C++ compiler
-    assert result.returncode == 0, result.stderr
-    failed = [line for line in result.stdout.splitlines() if 'torch.compile failed' in line]
-    assert len(failed) == 1 and failed[0].endswith('training eager instead') and 'C++ compiler' in failed[0]
-    assert 'Traceback' not in result.stderr and 'runs: 1 finished' in result.stdout
-
-
 def compiler_failure(inner):
     """What torch.compile raises when its backend fails: an InductorError wrapping the cause."""
     from torch._inductor.exc import InductorError
@@ -1949,55 +1934,6 @@ def test_out_of_memory_in_the_compiled_function_is_not_taken_for_a_compiler_fail
     assert 'out of memory' in str(raised.value) and 'eager instead' not in capsys.readouterr().out
 
 
-COMPILE_FAILS_ON_RANK_1 = """
-import math, sys, torch, torch.distributed as dist
-sys.path.insert(0, {repo!r})
-import train_cifar10 as T
-{helpers}
-rank, _, world = T.torchrun_ranks()
-T.join_process_group(torch.device('cpu'))         # the ranks split each batch
-def compile(function, **options):                # rank 0 "compiles" at once; rank 1's compiler fails
-    if rank == 0:
-        return function
-    if {fault!r} == 'nan':                        # ... or gives NaN gradients, which raise nothing
-        return compiles_wrongly(math.nan)(function)
-    def failing(*args, **kwargs):
-        raise compiler_failure(RuntimeError('C++ compile error on this machine only'))
-    return failing
-torch.compile = compile
-data = T.load_cifar10(T.ensure_cifar10({data!r}))
-hyp = {{**T.HYP, **T.TINY, 'epochs': 1}}
-cpu = torch.device('cpu')
-networks, compiled = T.compiled_warm_up(data, hyp, cpu, torch.float32, True, True, print)
-T.train_run(data, networks, hyp, 0, lambda row: None)
-print(f'rank {{rank}} compiled={{compiled}}', flush=True)
-torch.save(networks.ema.state_dict(), f'{out}/ema_{{rank}}.pt')
-networks = None
-T.leave_process_group()
-"""
-
-
-@pytest.mark.parametrize('fault, line', [
-    ('raises', 'torch.compile failed on rank 1 (RuntimeError: C++ compile error on this machine only)'),
-    ('nan', "torch.compile's training step disagrees with eager on rank 1 (prep.0.weight's gradient is not finite)")])
-def test_a_compilation_that_fails_on_one_rank_makes_every_rank_train_eager(dataset, tmp_path, fault, line):
-    """One rank falling back alone would build a new DDP (a broadcast) while the other trains:
-    both would wait for ever. The ranks agree first; both train eager, identically, in bounded time,
-    whether rank 1's compiler raised or gave a step that disagrees with eager."""
-    worker = tmp_path / 'worker.py'
-    helpers = '\n'.join(inspect.getsource(f) for f in (compiler_failure, ScaledGradient, compiles_wrongly))
-    worker.write_text(COMPILE_FAILS_ON_RANK_1.format(repo=str(SCRIPT.parent), data=str(dataset), out=str(tmp_path),
-                                                     helpers=helpers, fault=fault))
-    result = torchrun(worker)                                     # torchrun() stops it after 300 s
-    assert result.returncode == 0, result.stderr
-    out = result.stdout
-    assert 'rank 0 compiled=False' in out and 'rank 1 compiled=False' in out
-    assert line in out
-    assert 'torch.compile failed on another rank (its line says why): every rank trains eager instead' in out
-    rank0, rank1 = torch.load(tmp_path / 'ema_0.pt'), torch.load(tmp_path / 'ema_1.pt')
-    assert all(torch.equal(rank0[k], rank1[k]) for k in rank0)
-
-
 # ---------------------------------------------------------------------------------------------
 # A real copy of CIFAR-10, when CIFAR10_DIR points at one
 # ---------------------------------------------------------------------------------------------
@@ -2015,13 +1951,21 @@ def test_real_copy_has_the_official_counts():
     np.testing.assert_allclose(means, T.CIFAR10_MEAN, atol=0.5)  # Page's published channel means
 
 
-@needs_cifar10
-def test_tiny_run_on_the_real_copy(tmp_path):
-    result = run_script('--tiny', '--data-dir', CIFAR10_DIR, '--json', str(tmp_path / 'r.json'))
+def test_a_compile_that_cannot_compile_falls_back_to_eager_in_one_line(dataset, tmp_path):
+    """A machine without a C++ compiler: one line, then eager training. With CIFAR10_DIR set, on that
+    copy, all of --tiny, which must learn there (one process for both checks)."""
+    data_dir, epochs = (CIFAR10_DIR, []) if CIFAR10_DIR else (str(dataset), ['--epochs', '1'])
+    result = subprocess.run([sys.executable, str(SCRIPT), '--tiny', '--compile', *epochs, '--data-dir', data_dir,
+                             '--json', str(tmp_path / 'r.json')], capture_output=True, text=True, timeout=300,
+                            env={**os.environ, 'CXX': '/nonexistent/g++'})
     assert result.returncode == 0, result.stderr
-    report = json.loads((tmp_path / 'r.json').read_text())
-    assert report['runs'][0]['rows'][-1]['valid_acc'] > 0.2      # chance is 0.1
-    print(result.stdout)
+    failed = [line for line in result.stdout.splitlines() if 'torch.compile failed' in line]
+    assert len(failed) == 1 and failed[0].endswith('training eager instead') and 'C++ compiler' in failed[0]
+    assert 'Traceback' not in result.stderr and 'runs: 1 finished' in result.stdout
+    if CIFAR10_DIR:
+        report = json.loads((tmp_path / 'r.json').read_text())
+        assert report['runs'][0]['rows'][-1]['valid_acc'] > 0.2  # chance is 0.1
+        print(result.stdout)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -2078,36 +2022,80 @@ def test_two_ranks_print_one_table_and_rank_0_writes_the_files(dataset, tmp_path
     T.ResNet9(torch.zeros(27, 3, 3, 3), {**T.HYP, **T.TINY}).load_state_dict(torch.load(tmp_path / 'ema.pt')['state_dict'])
 
 
+@contextlib.contextmanager
+def one_thread():
+    """torch's threads set to 1 for a block, as torchrun sets them for each rank (OMP_NUM_THREADS=1)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def short_float64_run(data):
+    """2 steps of 64 images at lr 1 in float64; after each, batch-norm averaging and an "EMA" that
+    copies the model. The EMA's state and the rows."""
+    short = {k: v[:128] if k.startswith('train') else v for k, v in data.items()}
+    hyp = {**T.HYP, **T.TINY, 'epochs': 1, 'lr_peak': 1.0, 'lr_floor': 1.0, 'ema_every': 1, 'ema_momentum': 0.0}
+    networks = T.Networks(hyp, torch.device('cpu'), torch.float64, compiled=False, channels_last=True)
+    rows = T.train_run(short, networks, hyp, 0, lambda row: None)
+    return networks.ema.state_dict(), rows
+
+
 WORKER = COUNTS_THREADS + """
-import time, torch, torch.distributed as dist
+import math, time, torch, torch.distributed as dist
+{helpers}
 rank, _, world = T.torchrun_ranks()
 cpu, out = torch.device('cpu'), {out!r}
-if world > 1:
-    T.join_process_group(cpu)
+T.join_process_group(cpu)                         # the ranks split each batch
 data = T.load_cifar10(T.ensure_cifar10({data!r}))
-if world > 1:  # 30 steps of --tiny: the ranks must still agree bit for bit
-    hyp = {{**T.HYP, **T.TINY, 'epochs': 2}}
-    networks = T.Networks(hyp, cpu, torch.float32, compiled=False, channels_last=True)
+hyp = {{**T.HYP, **T.TINY, 'epochs': 2}}            # 30 steps of --tiny: the ranks must still agree bit for bit
+networks = T.Networks(hyp, cpu, torch.float32, compiled=False, channels_last=True)
+T.train_run(data, networks, hyp, 0, lambda row: None)
+torch.save(networks.ema.state_dict(), f'{{out}}/long_{{rank}}.pt')
+ema, rows = short_float64_run(data)
+torch.save(ema, f'{{out}}/short_{{rank}}.pt')
+open(f'{{out}}/rows_{{rank}}.json', 'w').write(json.dumps(rows))
+for fault in ('raises', 'nan'):                   # rank 0 "compiles" at once; rank 1's compiler fails ...
+    def compile(function, **options):
+        if rank == 0:
+            return function
+        if fault == 'nan':                        # ... or gives NaN gradients, which raise nothing
+            return compiles_wrongly(math.nan)(function)
+        def failing(*args, **kwargs):
+            raise compiler_failure(RuntimeError('C++ compile error on this machine only'))
+        return failing
+    torch.compile = compile
+    hyp = {{**T.HYP, **T.TINY, 'epochs': 1}}
+    networks, compiled = T.compiled_warm_up(data, hyp, cpu, torch.float32, True, True, print)
     T.train_run(data, networks, hyp, 0, lambda row: None)
-    torch.save(networks.ema.state_dict(), f'{{out}}/long_{{rank}}.pt')
-# 2 steps of 64 images at lr 1 in float64; after each, batch-norm averaging and an "EMA" that copies the model
-short = {{k: v[:128] if k.startswith('train') else v for k, v in data.items()}}
-hyp = {{**T.HYP, **T.TINY, 'epochs': 1, 'lr_peak': 1.0, 'lr_floor': 1.0, 'ema_every': 1, 'ema_momentum': 0.0}}
-networks = T.Networks(hyp, cpu, torch.float64, compiled=False, channels_last=True)
-rows = T.train_run(short, networks, hyp, 0, lambda row: None)
-torch.save(networks.ema.state_dict(), f'{{out}}/short_{{world}}_{{rank}}.pt')
-(open(f'{{out}}/rows_{{world}}_{{rank}}.json', 'w')).write(json.dumps(rows))
-if world > 1:  # leave with an all-reduce in flight (rank 1 comes late) whose tensor only gloo holds
-    if rank == 1:
-        time.sleep(1)
-    dist.all_reduce(torch.ones(8), async_op=True)
-    networks = None
-    T.leave_process_group()
+    print(f'{{fault}}: rank {{rank}} compiled={{compiled}}', flush=True)
+    torch.save(networks.ema.state_dict(), f'{{out}}/{{fault}}_{{rank}}.pt')
+# leave with an all-reduce in flight (rank 1 comes late) whose tensor only gloo holds
+if rank == 1:
+    time.sleep(1)
+dist.all_reduce(torch.ones(8), async_op=True)
+networks = None
+T.leave_process_group()
 """
 
 
+@pytest.fixture(scope='module')
+def two_ranks(dataset, tmp_path_factory):
+    """One torchrun launch of WORKER on 2 ranks that split each batch: its folder and process."""
+    out = tmp_path_factory.mktemp('two_ranks')
+    helpers = '\n'.join(inspect.getsource(f) for f in (compiler_failure, ScaledGradient, compiles_wrongly,
+                                                        short_float64_run))
+    worker = out / 'worker.py'
+    worker.write_text(WORKER.format(repo=str(SCRIPT.parent), data=str(dataset), out=str(out), helpers=helpers))
+    result = torchrun(worker)                                     # torchrun() stops it after 300 s
+    assert result.returncode == 0, result.stderr
+    return out, result
+
+
 @numeric
-def test_two_ranks_train_as_one_process_and_stay_identical(dataset, tmp_path):
+def test_two_ranks_train_as_one_process_and_stay_identical(dataset, two_ranks):
     """2 ranks at global batch 64 train the model one process trains at batch 64 with the same seed.
 
     The comparison covers 2 steps in float64, each followed by the batch-norm averaging and an EMA
@@ -2117,43 +2105,58 @@ def test_two_ranks_train_as_one_process_and_stay_identical(dataset, tmp_path):
     halves. Rounding is float64's unit, 2^-53 = 1.1e-16, times what a step's arithmetic makes of it:
     in fp32 the same 2 steps parted by up to 4e-6 of the largest weight on 16 datasets and seeds
     (60 units of fp32's 6e-8), and in float64 by 2.6e-14 (230 units). The bound, 1e-10 of the
-    largest weight, allows 10^6 units, whatever kernels a CPU picks; a sharding or averaging
-    mistake moves the weights by more than 1e-3. The losses are summed in fp32 (one unit: 6e-8),
-    the accuracies are counts. The ranks, which share every all-reduce, must agree bit for bit
-    however long they train (30 steps, in fp32).
+    largest weight, allows 10^6 units, whatever kernels and threads a CPU uses; a sharding or
+    averaging mistake moves the weights by more than 1e-3. The losses are summed in fp32 (one unit:
+    6e-8), the accuracies are counts. The ranks, which share every all-reduce, must agree bit for
+    bit however long they train (30 steps, in fp32). Also: leaving the group stops gloo's threads.
     """
-    worker = tmp_path / 'worker.py'
-    worker.write_text(WORKER.format(repo=str(SCRIPT.parent), data=str(dataset), out=str(tmp_path)))
-    single = subprocess.run([sys.executable, str(worker)], capture_output=True, text=True, timeout=300,
-                            env={**os.environ, 'OMP_NUM_THREADS': '1'})   # as torchrun sets for each rank
-    assert single.returncode == 0, single.stderr
-    ranks = torchrun(worker)
-    assert ranks.returncode == 0, ranks.stderr
-    assert 'Grad strides do not match' not in ranks.stderr        # DDP copies no gradient
-
-    rank0, rank1 = torch.load(tmp_path / 'long_0.pt'), torch.load(tmp_path / 'long_1.pt')
+    folder, result = two_ranks
+    assert 'Grad strides do not match' not in result.stderr       # DDP copies no gradient
+    rank0, rank1 = torch.load(folder / 'long_0.pt'), torch.load(folder / 'long_1.pt')
     assert all(torch.equal(rank0[k], rank1[k]) for k in rank0)
-    one, two = torch.load(tmp_path / 'short_1_0.pt'), torch.load(tmp_path / 'short_2_0.pt')
-    assert all(torch.equal(two[k], torch.load(tmp_path / 'short_2_1.pt')[k]) for k in two)
+    with one_thread():                                            # here, in one process, as a rank runs
+        one, (row_one, *_) = short_float64_run(T.load_cifar10(T.ensure_cifar10(dataset)))
+    two = torch.load(folder / 'short_0.pt')
+    assert all(torch.equal(two[k], torch.load(folder / 'short_1.pt')[k]) for k in two)
     for name in one:                                             # weights, EMA and BN statistics
         assert one[name].dtype in (torch.float64, torch.int64)
         torch.testing.assert_close(two[name], one[name], rtol=0, atol=1e-10 * float(one[name].abs().max()))
-    row_one = json.loads((tmp_path / 'rows_1_0.json').read_text())[0]
-    row_two = json.loads((tmp_path / 'rows_2_0.json').read_text())[0]
+    row_two = json.loads((folder / 'rows_0.json').read_text())[0]
     for key in ('train_loss', 'valid_loss'):                     # summed over the ranks
         assert row_two[key] == pytest.approx(row_one[key], rel=1e-6)
     for key in ('train_acc', 'valid_acc'):
         assert row_two[key] == row_one[key]
     for rank in (0, 1):
-        assert_gloo_threads_joined(tmp_path / f'threads_{rank}.json')
+        assert_gloo_threads_joined(folder / f'threads_{rank}.json')
 
 
-def test_a_batch_that_does_not_split_over_the_ranks_stops_the_job(dataset):
-    result = torchrun(SCRIPT, '--tiny', '--data-dir', dataset, '--batch-size', '32')
-    assert result.returncode != 0
-    # whichever rank says it first: torchrun stops the other, which may not have got so far
-    assert re.search(r'error \(rank \d\): --batch-size must be a positive multiple of 64 over 2 ranks', result.stderr)
-    assert T.table_line(T.COLUMNS) not in result.stdout
+def test_a_compilation_that_fails_on_one_rank_makes_every_rank_train_eager(two_ranks):
+    """One rank falling back alone would build a new DDP (a broadcast) while the other trains:
+    both would wait for ever. The ranks agree first; both train eager, identically, in bounded time,
+    whether rank 1's compiler raised or gave a step that disagrees with eager (each in its turn)."""
+    folder, result = two_ranks
+    out = result.stdout
+    for fault in ('raises', 'nan'):
+        assert f'{fault}: rank 0 compiled=False' in out and f'{fault}: rank 1 compiled=False' in out
+        rank0, rank1 = torch.load(folder / f'{fault}_0.pt'), torch.load(folder / f'{fault}_1.pt')
+        assert all(torch.equal(rank0[k], rank1[k]) for k in rank0)
+    assert out.count('torch.compile failed on rank 1 (RuntimeError: C++ compile error on this machine only)') == 1
+    assert out.count("torch.compile's training step disagrees with eager on rank 1 "
+                     "(prep.0.weight's gradient is not finite)") == 1
+    assert out.count('torch.compile failed on another rank (its line says why): every rank trains eager instead') == 2
+
+
+@pytest.mark.parametrize('rank', [0, 1])
+def test_a_batch_that_does_not_split_over_the_ranks_stops_the_job(dataset, monkeypatch, capsys, rank):
+    """Each rank of 2, as torchrun starts it, refuses in one line before it joins the group or trains."""
+    monkeypatch.setattr(T, 'join_process_group', lambda *args, **kwargs: pytest.fail('it joined'))
+    for name, value in (('RANK', rank), ('LOCAL_RANK', rank), ('WORLD_SIZE', 2)):
+        monkeypatch.setenv(name, str(value))
+    assert T.main(['--tiny', '--data-dir', str(dataset), '--batch-size', '32']) == 1
+    out, err = capsys.readouterr()
+    assert err.startswith(f'error (rank {rank}): --batch-size must be a positive multiple of 64 over 2 ranks')
+    assert err.count('\n') == 1
+    assert T.table_line(T.COLUMNS) not in out
 
 
 def test_ranks_take_interleaved_shares_of_one_shuffled_order():
@@ -2207,10 +2210,9 @@ def wait_for_a_run(path, job):
 def one_process_job(dataset, tmp_path_factory):
     """The same job in one process, one thread (as torchrun gives each rank): the runs to expect."""
     path = tmp_path_factory.mktemp('one') / 'r.json'
-    result = subprocess.run([sys.executable, str(SCRIPT), *SPREAD, '--data-dir', str(dataset), '--json', str(path)],
-                            capture_output=True, text=True, timeout=300, env={**os.environ, 'OMP_NUM_THREADS': '1'})
-    assert result.returncode == 0, result.stderr
-    return T.read_job(path, '--json'), result.stdout
+    with one_thread(), contextlib.redirect_stdout(io.StringIO()):
+        assert T.main([*SPREAD, '--data-dir', str(dataset), '--json', str(path)]) == 0
+    return T.read_job(path, '--json')
 
 
 def test_spread_runs_train_the_runs_of_one_process_and_rank_0_writes_them_in_order(dataset, tmp_path,
@@ -2219,7 +2221,7 @@ def test_spread_runs_train_the_runs_of_one_process_and_rank_0_writes_them_in_ord
     clocks; the tables come in run order, once; the files are whole."""
     result = spread_job(dataset, tmp_path, '--json', tmp_path / 'r.json')
     assert result.returncode == 0, result.stderr
-    job, one = T.read_job(tmp_path / 'r.json', '--json'), one_process_job[0]
+    job, one = T.read_job(tmp_path / 'r.json', '--json'), one_process_job
     assert [without_times(r) for r in job['runs']] == [without_times(r) for r in one['runs']]
     assert {k: v for k, v in job.items() if k not in ('runs', 'summary')} == \
         {k: v for k, v in one.items() if k not in ('runs', 'summary')}      # the same job, ranks 1
@@ -2247,9 +2249,10 @@ def rank_process(parent, rank):
 
 
 @pytest.mark.skipif(not Path('/proc/self/environ').exists(), reason='finds the rank to kill in /proc')
-def test_a_spread_job_that_loses_a_rank_resumes_with_one_rank_or_two(dataset, tmp_path, one_process_job):
-    """SIGKILL to rank 1 once run 1 is on disk: torchrun stops the job, what was finished stays, and
-    the job resumes, in one process or on 2 ranks, to the uninterrupted job's runs."""
+def test_a_spread_job_that_loses_a_rank_resumes_in_one_process(dataset, tmp_path, one_process_job, capsys):
+    """SIGKILL to rank 1 once run 1 is on disk: torchrun stops the job, what was finished stays (in
+    the job's file and rank 1's), and the job resumes in one process to the uninterrupted job's runs.
+    (test_rank_0_does_not_wait_for_good_for_a_rank_gone_silent resumes one on 2 ranks.)"""
     path = tmp_path / 'r.json'
     job = spread_job(dataset, tmp_path, '--json', path, wait=False)
     try:
@@ -2263,24 +2266,14 @@ def test_a_spread_job_that_loses_a_rank_resumes_with_one_rank_or_two(dataset, tm
     assert job.returncode != 0
     kept = T.read_job(path, '--json')['runs']
     assert 1 <= len(kept) < 4
-    expected = [without_times(r) for r in one_process_job[0]['runs']]
+    expected = [without_times(r) for r in one_process_job['runs']]
     assert [without_times(r) for r in kept] == [e for e in expected if e['run'] in {r['run'] for r in kept}]
-    for ranks in (1, 2):
-        copy = tmp_path / f'resumed_{ranks}.json'
-        copy.write_bytes(path.read_bytes())
-        for rank_file in tmp_path.glob('.r.json.rank*'):              # rank 1's runs, beside the job
-            (tmp_path / rank_file.name.replace('r.json', copy.name)).write_bytes(rank_file.read_bytes())
-        if ranks == 1:
-            resumed = subprocess.run([sys.executable, str(SCRIPT), *SPREAD, '--spread', 'runs', '--data-dir',
-                                      str(dataset), '--resume', str(copy)], capture_output=True, text=True,
-                                     timeout=300, env={**os.environ, 'OMP_NUM_THREADS': '1'})
-        else:
-            resumed = spread_job(dataset, tmp_path, '--resume', copy)
-        assert resumed.returncode == 0, resumed.stderr
-        assert ('note: --spread runs shares the runs among the ranks that torchrun starts; this is one process, '
-                'which trains them all') in resumed.stderr or ranks == 2
-        assert [without_times(r) for r in T.read_job(copy, '--json')['runs']] == expected
-        assert not list(tmp_path.glob(f'.{copy.name}.rank*'))          # taken in, then removed
+    with one_thread():                                            # here, one thread as each rank had
+        assert T.main([*SPREAD, '--spread', 'runs', '--data-dir', str(dataset), '--resume', str(path)]) == 0
+    assert ('note: --spread runs shares the runs among the ranks that torchrun starts; this is one process, '
+            'which trains them all') in capsys.readouterr().err
+    assert [without_times(r) for r in T.read_job(path, '--json')['runs']] == expected
+    assert not list(tmp_path.glob('.r.json.rank*'))                 # taken in, then removed
 
 
 SPREAD_RANK_1_IN_RUN_4 = """
@@ -2339,14 +2332,21 @@ def test_signals_held_defers_ctrl_c_even_when_another_thread_receives_it(discard
         other.join()
 
 
-def test_rank_0_does_not_wait_for_good_for_a_rank_gone_silent(dataset, tmp_path):
+def test_rank_0_does_not_wait_for_good_for_a_rank_gone_silent(dataset, tmp_path, one_process_job):
     """No launcher may stop the job when another node's rank is lost: rank 0 waits 3 times the
-    longest run (here at least 1 s, not 10 minutes), keeps what came and ends with status 1."""
+    longest run (here at least 1 s, not 10 minutes), keeps what came and ends with status 1.
+    Resumed on 2 ranks, run 4 is rank 0's and rank 1, with no run to train, ends cleanly too."""
     result = spread_job_where_rank_1_in_run_4('time.sleep(600)  # its machine is lost', dataset, tmp_path,
                                               silence_s=1)
     assert result.returncode != 0 and 'run 4 taken for lost with their ranks' in result.stdout
     assert [r['run'] for r in T.read_job(tmp_path / 'r.json', '--json')['runs']] == [1, 2, 3]
     assert 'runs: 3 finished' in result.stdout
+    resumed = spread_job(dataset, tmp_path, '--resume', tmp_path / 'r.json')
+    assert resumed.returncode == 0, resumed.stderr
+    assert resumed.stdout.count('run 4/4 (seed 3)') == 1 and 'runs: 4 finished (3 read back' in resumed.stdout
+    expected = [without_times(r) for r in one_process_job['runs']]
+    assert [without_times(r) for r in T.read_job(tmp_path / 'r.json', '--json')['runs']] == expected
+    assert not list(tmp_path.glob('.r.json.*'))                     # no rank file, lock or part left
 
 
 def test_ctrl_c_stops_every_rank_of_a_spread_job_with_its_runs_on_disk(dataset, tmp_path):
@@ -2366,14 +2366,6 @@ def test_ctrl_c_stops_every_rank_of_a_spread_job_with_its_runs_on_disk(dataset, 
         assert {r['run'] % 2 for r in T.read_job(rank_file, '--json')['runs']} == {0}
     runs = T.read_job(path, '--json')['runs']
     assert 1 <= len(runs) < 40 and f'runs: {len(runs)} finished' in out
-
-
-def test_ranks_without_a_run_end_cleanly(dataset, tmp_path):
-    """--runs 1 on 2 ranks: rank 1 has nothing to train and ends with status 0."""
-    result = spread_job(dataset, tmp_path, '--json', tmp_path / 'r.json', '--runs', '1')
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.count('run 1/1 (seed 0)') == 1 and 'runs: 1 finished' in result.stdout
-    assert len(T.read_job(tmp_path / 'r.json', '--json')['runs']) == 1
 
 
 # ---------------------------------------------------------------------------------------------
