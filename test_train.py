@@ -398,7 +398,6 @@ def test_whitened_prep_keeps_the_1x1_gradient_accurate_in_half_precision():
 
 
 @numeric
-@numeric
 def test_flip_tta_gives_an_image_and_its_mirror_the_same_logits():
     model, _ = small_model()
     model(torch.randn(64, 3, 32, 32))                             # move the BN statistics off (0, 1)
@@ -972,7 +971,8 @@ def test_the_batches_folder_itself_works_as_data_dir_and_a_file_is_refused(tmp_p
     (['--cutout', '40'], '--cutout'),
     (['--device', 'tpu'], "unknown --device 'tpu'"),
     (['--device', 'cuda'], 'no CUDA GPU'),
-    (['--gpu-price', '-1'], '--gpu-price'),
+    (['--gpu-price', '-1'], '--gpu-price must not be negative, not -1.0'),
+    (['--peak-tflops', '0'], '--peak-tflops must be positive, not 0.0'),
 ])
 def test_bad_options_get_one_line_and_a_nonzero_exit(dataset, args, message, capsys):
     if args == ['--device', 'cuda'] and torch.cuda.is_available():
