@@ -63,50 +63,12 @@ HYP = dict(
                              # cutout ones), each for an equal share of the images; half flipped
     eval_batch_size=1000,    # any size gives the same results up to rounding; 1000 divides 10,000
 )
-# --tiny: the same code path on a subset with a narrow network, so that a 2-core CPU finishes in
-# seconds and still learns well above chance. Its 184 steps are too few for an EMA at 0.99 (a
-# horizon of ~100 steps), hence 0.9; 250 test images a batch fit a CPU's caches better than 1000.
-TINY = dict(epochs=4, batch_size=64, train_images=3000, test_images=500, channels=(8, 16, 32, 64),
-            ema_momentum=0.9, whitening_images=3000, eval_batch_size=250)
 
 # =============================================================================================
-# The recipe, in the order a run uses it. 1. The data: CIFAR-10 as uint8 arrays
+# The recipe, in the order a run uses it. 1. Preprocessing and augmentation of CIFAR-10's uint8
+# images (load_cifar10 reads them), on the training device, over whole batches
 # =============================================================================================
 NUM_CLASSES = 10
-TRAIN_FILES = ('data_batch_1', 'data_batch_2', 'data_batch_3', 'data_batch_4', 'data_batch_5')
-TEST_FILE = 'test_batch'
-OFFICIAL_MD5 = {
-    'data_batch_1': 'c99cafc152244af753f735de768cd75f',
-    'data_batch_2': 'd4bba439e000b95fd0a9bffe97cbabec',
-    'data_batch_3': '54ebc095f3ab1f0389bbae665268c751',
-    'data_batch_4': '634d18415352ddfa80567beed471001a',
-    'data_batch_5': '482c414d41f54cd18b22e5b47d7c54d7',
-    'test_batch': '40351d587109b95175f43aff81a1287e',
-}
-
-
-def load_cifar10(folder):
-    """The training and test sets as arrays (uint8 images N x 3 x 32 x 32, int64 labels N), a line
-    saying whether they are the official files, and a digest naming the copy."""
-    train = [read_batch(folder / name) for name in TRAIN_FILES]
-    test = read_batch(folder / TEST_FILE)
-    md5s = [md5 for _, _, md5 in train + [test]]
-    names = TRAIN_FILES + (TEST_FILE,)
-    differing = [name for name, md5 in zip(names, md5s) if md5 != OFFICIAL_MD5[name]]
-    if differing:
-        provenance = (f'NOT the official CIFAR-10: {", ".join(differing)} differ from the official '
-                      'md5s, so accuracies below are not CIFAR-10 results')
-    else:
-        provenance = 'official CIFAR-10 (all six batch files match their published md5s)'
-    digest = hashlib.sha256(' '.join(md5s).encode()).hexdigest()[:16]
-    return dict(train_images=np.concatenate([b[0] for b in train]),
-                train_labels=np.concatenate([b[1] for b in train]),
-                test_images=test[0], test_labels=test[1], provenance=provenance, digest=digest)
-
-
-# =============================================================================================
-# 2. Preprocessing and augmentation, on the training device, over whole batches
-# =============================================================================================
 # Page's per-channel statistics of the CIFAR-10 training set, on the 0-255 scale.
 CIFAR10_MEAN = (125.31, 122.95, 113.87)
 CIFAR10_STD = (62.99, 62.09, 66.70)
@@ -193,7 +155,7 @@ def augmented_epoch(padded, labels, hyp, generator, rank=0, world=1):
 
 
 # =============================================================================================
-# 3. The network: whitening, ghost batch norm, ResNet9, its flip-TTA forward
+# 2. The network: whitening, ghost batch norm, ResNet9, its flip-TTA forward
 # =============================================================================================
 def at_least_fp32(dtype):
     """fp32 for fp16 and bf16, the dtype itself for fp32 and wider: the precision of what must
@@ -336,7 +298,7 @@ def to_training_precision(model, dtype):
 
 
 # =============================================================================================
-# 4. Training: schedule, optimiser, EMA, the networks built once, one epoch
+# 3. Training: schedule, optimiser, EMA, the networks built once, one epoch
 # =============================================================================================
 def piecewise_linear(x, knots, values):
     """Linear interpolation between (knot, value) points, constant beyond the last knot."""
@@ -503,7 +465,7 @@ def train_epoch(networks, images, labels, epoch, steps, hyp):
 
 
 # =============================================================================================
-# 5. Evaluation: the EMA model with flip test-time augmentation
+# 4. Evaluation: the EMA model with flip test-time augmentation
 # =============================================================================================
 def test_set(data, networks, hyp, last_batches=None):
     """This rank's test images, normalised in the EMA's dtype, and labels (the last_batches last
@@ -532,7 +494,7 @@ def evaluate(networks, images, labels, hyp):
 
 
 # =============================================================================================
-# 6. One run, timed by the DAWNBench rule
+# 5. One run, timed by the DAWNBench rule
 # =============================================================================================
 def train_run(data, networks, hyp, seed, on_epoch, steps_per_epoch=None, test_batches=None):
     """Train one model from the uint8 arrays and return its rows, one an epoch; networks.ema then
@@ -579,12 +541,22 @@ def train_run(data, networks, hyp, seed, on_epoch, steps_per_epoch=None, test_ba
 # #############################################################################################
 
 # =============================================================================================
-# Download and safe loading
+# Download and safe loading of CIFAR-10's files
 # =============================================================================================
 CLASSES = ('airplane', 'automobile', 'bird', 'cat', 'deer', 'dog', 'frog', 'horse', 'ship', 'truck')
 CIFAR10_URL = 'https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz'
 CIFAR10_MD5 = 'c58f30108f718f92721af3b95e74349a'
 BATCHES_DIR = 'cifar-10-batches-py'
+TRAIN_FILES = ('data_batch_1', 'data_batch_2', 'data_batch_3', 'data_batch_4', 'data_batch_5')
+TEST_FILE = 'test_batch'
+OFFICIAL_MD5 = {
+    'data_batch_1': 'c99cafc152244af753f735de768cd75f',
+    'data_batch_2': 'd4bba439e000b95fd0a9bffe97cbabec',
+    'data_batch_3': '54ebc095f3ab1f0389bbae665268c751',
+    'data_batch_4': '634d18415352ddfa80567beed471001a',
+    'data_batch_5': '482c414d41f54cd18b22e5b47d7c54d7',
+    'test_batch': '40351d587109b95175f43aff81a1287e',
+}
 
 
 class UserError(Exception):
@@ -706,6 +678,25 @@ def read_batch(path):
         raise UserError(f'{path} is damaged or not a CIFAR-10 batch ({type(e).__name__}: {e}): '
                         f'delete {path.parent} and run again') from None
     return images.reshape(-1, 3, 32, 32), labels.astype(np.int64), hashlib.md5(raw).hexdigest()
+
+
+def load_cifar10(folder):
+    """The training and test sets as arrays (uint8 images N x 3 x 32 x 32, int64 labels N), a line
+    saying whether they are the official files, and a digest naming the copy."""
+    train = [read_batch(folder / name) for name in TRAIN_FILES]
+    test = read_batch(folder / TEST_FILE)
+    md5s = [md5 for _, _, md5 in train + [test]]
+    names = TRAIN_FILES + (TEST_FILE,)
+    differing = [name for name, md5 in zip(names, md5s) if md5 != OFFICIAL_MD5[name]]
+    if differing:
+        provenance = (f'NOT the official CIFAR-10: {", ".join(differing)} differ from the official '
+                      'md5s, so accuracies below are not CIFAR-10 results')
+    else:
+        provenance = 'official CIFAR-10 (all six batch files match their published md5s)'
+    digest = hashlib.sha256(' '.join(md5s).encode()).hexdigest()[:16]
+    return dict(train_images=np.concatenate([b[0] for b in train]),
+                train_labels=np.concatenate([b[1] for b in train]),
+                test_images=test[0], test_labels=test[1], provenance=provenance, digest=digest)
 
 
 # =============================================================================================
@@ -1601,6 +1592,13 @@ def compare_lines(path_a, path_b):
 # =============================================================================================
 # The command line, and main
 # =============================================================================================
+# --tiny: the same code path on a subset with a narrow network, so that a 2-core CPU finishes in
+# seconds and still learns well above chance. Its 184 steps are too few for an EMA at 0.99 (a
+# horizon of ~100 steps), hence 0.9; 250 test images a batch fit a CPU's caches better than 1000.
+TINY = dict(epochs=4, batch_size=64, train_images=3000, test_images=500, channels=(8, 16, 32, 64),
+            ema_momentum=0.9, whitening_images=3000, eval_batch_size=250)
+
+
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
     """--help with each option's default where the help text does not already say it."""
 
