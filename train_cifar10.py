@@ -1,4 +1,4 @@
-"""Train a ResNet9 on CIFAR-10 to 94% in 10 epochs: David Page's recipe in one file.
+"""David Page's recipe for 94% on CIFAR-10 in 10 epochs (a ResNet9), in one file.
 
     python train_cifar10.py --tiny                                # an install check, seconds
     python train_cifar10.py --epochs 10 --runs 50 --json a.json   # the recipe 50 times, a summary
@@ -12,7 +12,9 @@ test accuracy in 10 epochs (26 s on one V100): a ResNet9 whose first layer is a 
 3x3 patches, ghost batch norm, CELU, half precision with batch norm in fp32, label smoothing,
 Nesterov SGD on a piecewise-linear schedule, an EMA of the weights, flip test-time augmentation.
 The data is augmented on the device over whole batches. Read top to bottom: the hyperparameters,
-the recipe in the order a run uses it, then below a banner the harness, which changes no number.
+the recipe in the order a run uses it, then below a banner the harness. Its rank helpers that the
+recipe calls (rank_and_world, data_parallel, *_over_ranks, same_on_every_rank) do nothing in one
+process, where synced_clock syncs the device and reads the clock.
 
 Evidence (README.md): no GPU has timed this version yet. On 2 CPU cores one 10-epoch run
 (run_log.txt) reached 90.82 % on a JPEG stand-in for CIFAR-10; a step took 7.1 s, Page's 9.8 s.
@@ -38,7 +40,8 @@ except KeyboardInterrupt:
 # The loss is summed over the batch and each step uses lr = schedule(epoch) / batch_size, so the
 # schedule is the learning rate applied to the mean gradient and does not change with the batch
 # size; weight decay is multiplied by batch_size so that the decay per step (lr x wd) does not
-# either. The command line overrides epochs, batch_size and cutout; everything else is here.
+# either. The command line overrides epochs, batch_size and cutout, --tiny a few more (TINY,
+# below the banner); everything else is here.
 HYP = dict(
     epochs=10,               # Page: 94.1% mean with flip-TTA after 10 epochs (26 s on a V100)
     batch_size=512,          # Page; the last partial batch is dropped: 97 steps per epoch
@@ -273,8 +276,8 @@ class ResNet9(nn.Module):
 
     def forward(self, x):
         x = self.layer3(self.layer2(self.layer1(self.prep(x))))
-        # Page's 4x4 max-pool, global here. Its backward uses the indices it saved; amax's compares
-        # values again, and compiled in half precision it sent NaN to every gradient below.
+        # Page's 4x4 max-pool, global here. max_pool2d, not amax: compiled in half precision,
+        # amax's backward sent NaN into every gradient below; max_pool2d's uses saved indices.
         return self.head(F.max_pool2d(x, 4).flatten(1)) * self.logit_scale
 
 
@@ -285,8 +288,8 @@ def flip_tta_logits(model, images):
 
 
 def to_training_precision(model, dtype):
-    """The network in dtype, but batch norm (small differences, divided by) and the fixed whitening
-    filters (folded in fp32: rounded, they would be other filters) in fp32 or wider."""
+    """The network in dtype, but in fp32 or wider batch norm (it divides by a variance of small
+    differences) and the fixed whitening filters (rounded, they would be other filters)."""
     whitenings = [(m, m.whitening) for m in model.modules() if isinstance(m, WhitenedPrep)]
     model.to(dtype)
     for module, whitening in whitenings:
@@ -321,7 +324,7 @@ class Nesterov:
     Each step's gradient (plus weight decay) is multiplied by that step's learning rate before it
     enters the momentum buffer v:  dw = -lr_t (g + wd w);  v <- m v + dw;  w <- w + dw + m v.
     torch.optim.SGD applies the current rate to the whole buffer instead, the same only while the
-    rate is constant; in this warm-up its steps would be up to 45 % larger (step 10). bf16 weights
+    rate is constant; as it rises, SGD's steps would be up to 45 % larger (step 10). bf16 weights
     are updated through fp32 master copies (their weight-decay steps would round to nothing); fp16
     weights in place, as Page did. A few fused (foreach) launches a group per step.
     """
@@ -536,8 +539,9 @@ def train_run(data, networks, hyp, seed, on_epoch, steps_per_epoch=None, test_ba
 
 
 # #############################################################################################
-# Harness: nothing below changes a number. Download, devices and precision, compilation,
-# torchrun, timing, reporting, statistics, job files, the command line.
+# Harness: nothing below changes the recipe's arithmetic, but for --tiny's settings (TINY) and
+# TF32 on CUDA (fp32_precision). Download, devices and precision, compilation, torchrun, timing,
+# reporting, statistics, job files, the command line.
 # #############################################################################################
 
 # =============================================================================================
