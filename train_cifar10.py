@@ -505,10 +505,10 @@ def train_run(data, networks, hyp, seed, on_epoch, steps_per_epoch=None, test_ba
     run on any device). steps_per_epoch and test_batches (the last ones) cut a run short. The clock,
     read after a device sync, covers all but building the networks and evaluating (DAWNBench)."""
     device, generator = networks.device, torch.Generator().manual_seed(seed)
+    test, test_labels = test_set(data, networks, hyp, test_batches)  # for evaluating: not timed
     start = synced_clock(device)
     train = normalise(data['train_images'], device, networks.dtype)
     train_labels = torch.from_numpy(data['train_labels']).to(device)
-    test, test_labels = test_set(data, networks, hyp, test_batches)
     padded = F.pad(train, (hyp['pad'],) * 4, mode='reflect')
     whitening = whitening_filters(train[:hyp['whitening_images']], hyp['whitening_eps'])
     networks.reinitialise(same_on_every_rank(whitening), seed)
