@@ -756,13 +756,15 @@ def test_hyperparameters_are_printed_in_lines_a_terminal_shows_whole():
     assert 'whitening_images=3000' in printed                     # --tiny whitens its 3,000 images
 
 
-def test_help_gives_examples_and_no_empty_defaults(capsys):
+def test_help_gives_examples_and_no_empty_defaults(capsys, monkeypatch):
     assert T.main(['--help']) == 0
     out = capsys.readouterr().out
     assert '(default: None)' not in out and '(default: False)' not in out
     assert '(default: 512)' in out and '(default: 0)' in out       # a written default, a default of 0
     assert 'examples:' in out and '--resume a.json' in out and '--compare a.json b.json' in out
     assert 'holds its floor for the last 2' in out
+    monkeypatch.setattr(T, '__doc__', None)                         # python -OO strips docstrings
+    assert T.main(['--help']) == 0 and '--epochs EPOCHS' in capsys.readouterr().out
 
 
 def test_table_columns_are_twelve_characters_wide():

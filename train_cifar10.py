@@ -1603,10 +1603,10 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
 
 def parse_args(argv):
-    examples = __doc__.split('\n\n')[1]  # the usage lines at the top of this file
-    p = argparse.ArgumentParser(description=__doc__.split('\n')[0], formatter_class=HelpFormatter,
+    doc = (__doc__ or '').split('\n\n') + ['']  # the top of this file; none under python -OO
+    p = argparse.ArgumentParser(description=doc[0].split('\n')[0], formatter_class=HelpFormatter,
                                 allow_abbrev=False,
-                                epilog=f'examples:\n{examples}\n\nREADME.md says more.')
+                                epilog=f'examples:\n{doc[1]}\n\nREADME.md says more.')
     add = p.add_argument
     add('--epochs', type=int, default=HYP['epochs'],
         help='training epochs; the lr peaks at a fifth of them and holds its floor for the last '
