@@ -1424,6 +1424,11 @@ def test_resume_takes_in_the_runs_a_spread_jobs_ranks_left_beside_it(finished_jo
     write_job(path, {**job, 'runs': job['runs'][:1], 'runs_finished': 1})
     write_job(rank_file, {**job, 'runs': job['runs'][1:], 'runs_finished': 1})
     no_training(monkeypatch)
+    stale = tmp_path / '.b.json.rank3'                            # of another job, whose b.json is gone
+    stale.write_text('{}')
+    assert T.main([*options, '--runs', '2', '--resume', str(path), '--json', str(tmp_path / 'b.json')]) == 1
+    assert '.b.json.rank3 beside it holds runs of a spread job whose file is gone' in capsys.readouterr().err
+    assert stale.read_text() == '{}' and not (tmp_path / 'b.json').exists()
     assert T.main([*options, '--runs', '2', '--resume', str(path)]) == 0
     assert 'runs 1-2 read back' in capsys.readouterr().out
     assert T.read_job(path, '--json')['runs'] == job['runs'] and not rank_file.exists()

@@ -1398,9 +1398,22 @@ def read_job(path, option):
     return job
 
 
+def rank_files(path):
+    """The job files (.NAME.rankR, beside NAME) in which the ranks of a --spread runs job but rank 0
+    leave their finished runs for it; rank 0 removes them at the end."""
+    path = Path(path)
+    pattern = re.escape(f'.{path.name}.rank') + r'\d+'
+    return sorted(p for p in path.parent.iterdir() if re.fullmatch(pattern, p.name))
+
+
 def check_new_job_file(path):
-    """A new job's --json file must not exist: what it holds may be hours of runs."""
+    """A new job's --json file must not exist (what it holds may be hours of runs), nor the files
+    its spread job's ranks left beside it."""
     if not Path(path).exists():
+        left = rank_files(path)
+        if left:
+            raise UserError(f'--json {path}: {left[0].name} beside it holds runs of a spread job '
+                            'whose file is gone: delete its .rank files to start a job there')
         return
     try:
         job = read_job(path, '--json')
@@ -1718,14 +1731,6 @@ def prepare_data(args, hyp, local_rank, world):
     return data
 
 
-def rank_files(path):
-    """The job files (.NAME.rankR, beside NAME) in which the ranks of a --spread runs job but rank 0
-    leave their finished runs for it; rank 0 removes them at the end."""
-    path = Path(path)
-    pattern = re.escape(f'.{path.name}.rank') + r'\d+'
-    return sorted(p for p in path.parent.iterdir() if re.fullmatch(pattern, p.name))
-
-
 class Job:
     """One command's runs, the files written after each, and what they need (device, data). main
     drives it: set_up, train, finish."""
@@ -1781,10 +1786,7 @@ class Job:
             train_images=len(data['train_images']), test_images=len(data['test_images']),
             flops=self.flops, peak_tflops=self.peak)
         self.read_back = resumed_runs(job, args.resume, self.context, args.runs) if job else []
-        left = rank_files(args.resume or args.json) if written else []
-        if left and not args.resume:
-            raise UserError(f'--json {args.json}: {left[0].name} beside it holds runs of a spread '
-                            'job whose file is gone: delete its .rank files to start a job there')
+        left = rank_files(args.resume) if args.resume else []
         for path in left:  # runs a spread job's ranks left that its rank 0 may not have taken in
             known = {run['run'] for run in self.read_back}
             self.read_back += [run for run in resumed_runs(read_job(path, '--resume'), path,
