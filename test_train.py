@@ -914,7 +914,7 @@ def test_a_python_without_tarfiles_data_filter_is_told_to_upgrade(tmp_path, monk
 
 
 def test_no_network_gives_one_clear_error_and_leaves_nothing(tmp_path, server):
-    url, _, _, _ = server
+    url, files, _, _ = server
     with pytest.raises(T.UserError, match='cannot download .*404'):
         T.ensure_cifar10(tmp_path / 'data', url + '/missing.tar.gz')
     with pytest.raises(T.UserError) as refused:   # a mistyped path, offline: the likelier cause comes first
@@ -926,6 +926,12 @@ def test_no_network_gives_one_clear_error_and_leaves_nothing(tmp_path, server):
     with pytest.raises(T.UserError, match='cannot download'):
         T.ensure_cifar10(tmp_path / 'mine', url + '/missing.tar.gz')
     assert (tmp_path / 'mine').is_dir()                           # a folder that was there stays
+    if Path('/dev/full').exists():                                # a full disk is not the network's fault
+        files['/cifar-10-python.tar.gz'] = b'x' * (2 << 20)
+        (tmp_path / 'mine' / 'cifar-10-python.tar.gz.part').symlink_to('/dev/full')
+        with pytest.raises(T.UserError, match=r'; cannot write .*\.part \(No space left on device\)$'):
+            T.ensure_cifar10(tmp_path / 'mine', url + '/cifar-10-python.tar.gz')
+        assert leftovers(tmp_path / 'mine') == []
 
 
 def test_a_cut_download_is_never_taken_for_a_whole_one(tmp_path, server):

@@ -585,6 +585,8 @@ def download(url, archive, md5):
                             'not the CIFAR-10 archive; nothing was kept, try again')
         os.replace(partial, archive)
     except (OSError, http.client.HTTPException) as e:  # urllib's errors are OSErrors
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EACCES, errno.EROFS):
+            raise UserError(f'cannot write {partial} ({e.strerror})') from None  # not the network
         why = ' '.join(str(part) for part in (getattr(e, 'code', None), getattr(e, 'reason', e))
                        if part is not None)
         raise UserError(f'cannot download {url} ({why}): check the network, or put '
