@@ -1668,6 +1668,8 @@ def test_a_second_job_on_the_same_file_is_refused_while_the_first_runs(finished_
     (['--resume', '{tmp}'], 'error: --resume {tmp} is a folder: give a file name'),
     (['--json', '{tmp}/r.json', '--save', '{tmp}/r.json'],
      'error: --json {tmp}/r.json is also the file of --save: give each its own'),
+    (['--json', ''], 'error: --json has an empty path (an unset shell variable?): give a file name'),
+    (['--resume', ''], 'error: --resume has an empty path (an unset shell variable?): give a file name'),
 ])
 def test_a_mistaken_path_gets_one_line(dataset, tmp_path, monkeypatch, capsys, argv, message):
     monkeypatch.setattr(T, 'probe_run', lambda *args: pytest.fail('work started'))

@@ -1692,6 +1692,9 @@ def check_options(args, hyp, world):
         raise UserError(f"--batch-size must be a positive multiple of {world * split}{ranks}, "
                         f"as ghost batch norm splits batches into {split} images; not "
                         f"{hyp['batch_size']}")
+    for flag in ('--json', '--resume', '--log-tsv', '--save'):
+        if getattr(args, flag[2:].replace('-', '_')) == '':  # it would write nothing, silently
+            raise UserError(f'{flag} has an empty path (an unset shell variable?): give a file name')
     outputs = {'--json' if args.json else '--resume': args.json or args.resume,  # both written
                '--log-tsv': args.log_tsv, '--save': args.save}
     outputs = {flag: Path(path) for flag, path in outputs.items() if path}
