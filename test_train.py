@@ -1397,7 +1397,7 @@ def test_resume_refuses_a_file_that_is_not_a_job_of_its_own_in_one_line(finished
 
 
 def test_resume_of_a_finished_job_prints_its_tables_and_summary_and_trains_nothing(finished_job, monkeypatch,
-                                                                                  capsys):
+                                                                                  capsys, tmp_path):
     source, options = finished_job
     text, modified = source.read_bytes(), source.stat().st_mtime_ns
     no_training(monkeypatch)                                      # no warm-up, no run
@@ -1408,6 +1408,10 @@ def test_resume_of_a_finished_job_prints_its_tables_and_summary_and_trains_nothi
     accuracies = [r['accuracy'] for r in json.loads(text)['runs']]
     assert f'mean {100 * np.mean(accuracies):.2f} %' in out
     assert source.read_bytes() == text and source.stat().st_mtime_ns == modified   # not even rewritten
+    copy, tsv = tmp_path / 'b.json', tmp_path / 'b.tsv'                 # the whole job goes to another file
+    assert T.main([*options, '--runs', '2', '--resume', str(source), '--json', str(copy), '--log-tsv', str(tsv)]) == 0
+    assert T.read_job(copy, '--json')['runs'] == json.loads(text)['runs'] and source.read_bytes() == text
+    assert len(tsv.read_text().splitlines()) == 1 + sum(len(r['rows']) for r in json.loads(text)['runs'])
 
 
 def test_spread_runs_needs_json_and_keeps_a_ranks_runs_whose_job_file_is_gone(dataset, tmp_path, monkeypatch, capsys):
@@ -1668,8 +1672,8 @@ def test_a_second_job_on_the_same_file_is_refused_while_the_first_runs(finished_
     (['--resume', '{tmp}'], 'error: --resume {tmp} is a folder: give a file name'),
     (['--json', '{tmp}/r.json', '--save', '{tmp}/r.json'],
      'error: --json {tmp}/r.json is also the file of --save: give each its own'),
-    (['--json', ''], 'error: --json has an empty path (an unset shell variable?): give a file name'),
-    (['--resume', ''], 'error: --resume has an empty path (an unset shell variable?): give a file name'),
+    (['--json', ''], 'error: --json is an empty path (an unset shell variable?): give a file name'),
+    (['--resume', ''], 'error: --resume is an empty path (an unset shell variable?): give a file name'),
 ])
 def test_a_mistaken_path_gets_one_line(dataset, tmp_path, monkeypatch, capsys, argv, message):
     monkeypatch.setattr(T, 'probe_run', lambda *args: pytest.fail('work started'))

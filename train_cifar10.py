@@ -1694,7 +1694,7 @@ def check_options(args, hyp, world):
                         f"{hyp['batch_size']}")
     for flag in ('--json', '--resume', '--log-tsv', '--save'):
         if getattr(args, flag[2:].replace('-', '_')) == '':  # it would write nothing, silently
-            raise UserError(f'{flag} has an empty path (an unset shell variable?): give a file name')
+            raise UserError(f'{flag} is an empty path (an unset shell variable?): give a file name')
     outputs = {'--json' if args.json else '--resume': args.json or args.resume,  # both written
                '--log-tsv': args.log_tsv, '--save': args.save}
     outputs = {flag: Path(path) for flag, path in outputs.items() if path}
@@ -1798,9 +1798,11 @@ class Job:
                                                            self.context, args.runs)
                                if run['run'] not in known]
         self.runs = sorted(self.read_back, key=lambda run: run['run'])
-        if self.rank == 0 and (left or self.spread):
+        elsewhere = args.resume and (args.log_tsv or Path(args.json).resolve() !=
+                                     Path(args.resume).resolve())  # --json B, --log-tsv
+        if self.rank == 0 and (left or self.spread or elsewhere):
             with signals_held():
-                self.write()  # --json holds every run before any rank rewrites its file
+                self.write()  # every run read back, before any rank writes its own (or none is)
         if self.spread:
             dist.barrier()  # ... nor before every rank has read them
 
