@@ -16,6 +16,7 @@ import json
 import math
 import os
 import pickle
+import platform
 import re
 import shutil
 import signal
@@ -881,6 +882,24 @@ def test_download_checks_md5_extracts_and_never_downloads_again(tmp_path, server
     assert len(hits) == 1
 
 
+def test_jobs_that_fetch_cifar10_together_do_not_undo_each_other(tmp_path, server, monkeypatch):
+    """Two jobs started at once on one disk (two GPUs, or nodes sharing ./data) each download into a
+    part file of their own; the one that extracts second finds the folder whole, not an error."""
+    url, files, _, _ = server
+    archive, md5 = make_archive(tmp_path)
+    files['/cifar-10-python.tar.gz'] = archive
+    renamed, replace = [], os.replace
+    monkeypatch.setattr(T.os, 'replace', lambda source, target: (renamed.append(Path(source).name),
+                                                                 replace(source, target))[1])
+    data_dir = tmp_path / 'data'
+    folder = T.ensure_cifar10(data_dir, url + '/cifar-10-python.tar.gz', md5)
+    assert renamed[0] == f'.cifar-10-python.tar.gz.{platform.node()}.{os.getpid()}.part'
+    batches = {p.name: p.read_bytes() for p in folder.iterdir()}
+    T.extract(data_dir / 'cifar-10-python.tar.gz', data_dir)      # the second job's extraction
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == batches
+    assert leftovers(data_dir) == ['cifar-10-batches-py', 'cifar-10-python.tar.gz']   # no staging left
+
+
 def test_wrong_checksum_is_refused_and_nothing_is_kept(tmp_path, server):
     url, files, _, _ = server
     archive, _ = make_archive(tmp_path)
@@ -891,14 +910,19 @@ def test_wrong_checksum_is_refused_and_nothing_is_kept(tmp_path, server):
     assert not data_dir.exists()                                  # not even the folder it made
 
 
-def test_corrupt_archive_is_refused_and_nothing_is_extracted(tmp_path):
+def test_corrupt_archive_is_refused_and_nothing_is_extracted(tmp_path, monkeypatch):
     archive, _ = make_archive(tmp_path)
     truncated = archive[:len(archive) // 2]
     (tmp_path / 'cut.tar.gz').write_bytes(truncated)
     data_dir = tmp_path / 'data'
     with pytest.raises(T.UserError, match='truncated, corrupt'):   # served from a local file
         T.ensure_cifar10(data_dir, (tmp_path / 'cut.tar.gz').as_uri(), hashlib.md5(truncated).hexdigest())
-    assert leftovers(data_dir) == ['cut.tar.gz']                      # no batches, no staging folder
+    assert leftovers(data_dir) == ['cifar-10-python.tar.gz']          # no batches, no staging folder
+    monkeypatch.setattr(tempfile, 'mkdtemp', lambda *args: (_ for _ in ()).throw(
+        PermissionError(errno.EACCES, 'Permission denied')))        # a read-only folder, as root is not
+    with pytest.raises(T.UserError, match=r'cannot extract .* \(Permission denied\)$'):
+        T.extract(data_dir / 'cifar-10-python.tar.gz', data_dir)
+    monkeypatch.undo()
     (tmp_path / 'garbage.tar.gz').write_bytes(gzip.compress(b'not a tar file' * 100))
     with pytest.raises(T.UserError, match='truncated, corrupt'):
         T.ensure_cifar10(tmp_path / 'data2', (tmp_path / 'garbage.tar.gz').as_uri(),
@@ -926,9 +950,12 @@ def test_no_network_gives_one_clear_error_and_leaves_nothing(tmp_path, server):
     with pytest.raises(T.UserError, match='cannot download'):
         T.ensure_cifar10(tmp_path / 'mine', url + '/missing.tar.gz')
     assert (tmp_path / 'mine').is_dir()                           # a folder that was there stays
+    for malformed in ('mirror.example.com/cifar-10-python.tar.gz', ''):   # no scheme; nothing
+        with pytest.raises(T.UserError, match='cannot download'):
+            T.ensure_cifar10(tmp_path / 'mine', malformed)
     if Path('/dev/full').exists():                                # a full disk is not the network's fault
         files['/cifar-10-python.tar.gz'] = b'x' * (2 << 20)
-        (tmp_path / 'mine' / 'cifar-10-python.tar.gz.part').symlink_to('/dev/full')
+        (tmp_path / 'mine' / f'.cifar-10-python.tar.gz.{platform.node()}.{os.getpid()}.part').symlink_to('/dev/full')
         with pytest.raises(T.UserError, match=r'; cannot write .*\.part \(No space left on device\)$'):
             T.ensure_cifar10(tmp_path / 'mine', url + '/cifar-10-python.tar.gz')
         assert leftovers(tmp_path / 'mine') == []

@@ -568,9 +568,10 @@ class UserError(Exception):
 
 
 def download(url, archive, md5):
-    """Download url to archive, which appears only whole: archive.part is renamed once its md5 is
-    the official one (a cut connection ends early without raising: the md5 finds it)."""
-    partial = archive.with_name(archive.name + '.part')
+    """Download url to archive, which appears only whole: a part file of this process's own is
+    renamed once its md5 is the official one (a cut connection ends early without raising: the md5
+    finds it). Jobs that start together on one disk each download whole."""
+    partial = archive.with_name(f'.{archive.name}.{platform.node()}.{os.getpid()}.part')
     try:
         with urllib.request.urlopen(url, timeout=60) as response, open(partial, 'wb') as out:
             total = int(response.headers.get('Content-Length') or 0) / 1e6
@@ -584,7 +585,7 @@ def download(url, archive, md5):
             raise UserError(f'the download of {url} has md5 {got}, not {md5}: it is cut short or '
                             'not the CIFAR-10 archive; nothing was kept, try again')
         os.replace(partial, archive)
-    except (OSError, http.client.HTTPException) as e:  # urllib's errors are OSErrors
+    except (OSError, ValueError, http.client.HTTPException) as e:  # ValueError: a malformed url
         if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EACCES, errno.EROFS):
             raise UserError(f'cannot write {partial} ({e.strerror})') from None  # not the network
         why = ' '.join(str(part) for part in (getattr(e, 'code', None), getattr(e, 'reason', e))
@@ -600,18 +601,18 @@ def extract(archive, data_dir):
     if not hasattr(tarfile, 'data_filter'):
         raise UserError(f'this Python {platform.python_version()} cannot extract archives safely '
                         '(tarfile has no data filter): use Python 3.10.12, 3.11.4, 3.12 or later')
-    staging = tempfile.mkdtemp(dir=data_dir, prefix='.extract-')
     try:
-        with tarfile.open(archive, 'r:gz') as tar:
-            tar.extractall(staging, filter='data')  # refuses absolute paths, links out, devices
-        os.replace(os.path.join(staging, BATCHES_DIR), data_dir / BATCHES_DIR)
+        with tempfile.TemporaryDirectory(dir=data_dir, prefix='.extract-') as staging:
+            with tarfile.open(archive, 'r:gz') as tar:
+                tar.extractall(staging, filter='data')  # refuses absolute paths, links out, devices
+            os.replace(os.path.join(staging, BATCHES_DIR), data_dir / BATCHES_DIR)
     except (tarfile.TarError, EOFError, OSError) as e:
+        if (data_dir / BATCHES_DIR).is_dir():
+            return  # another job, extracting at the same time, put it there whole first
         if isinstance(e, OSError) and e.errno not in (None, errno.ENOENT):  # a full disk, say
             raise UserError(f'cannot extract {archive} into {data_dir} ({e.strerror})') from None
         raise UserError(f'{archive} is truncated, corrupt or not the CIFAR-10 python archive '
                         f'({e}): delete it, run again') from None
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
 
 
 def ensure_cifar10(data_dir, url=CIFAR10_URL, md5=CIFAR10_MD5):
@@ -630,7 +631,7 @@ def ensure_cifar10(data_dir, url=CIFAR10_URL, md5=CIFAR10_MD5):
         data_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise UserError(f'cannot write to --data-dir {data_dir} ({e.strerror})') from None
-    archive = data_dir / url.rsplit('/', 1)[-1]
+    archive = data_dir / CIFAR10_URL.rsplit('/', 1)[-1]  # whatever the mirror's url
     try:
         if not archive.exists():
             download(url, archive, md5)
