@@ -1471,6 +1471,36 @@ def test_resume_takes_in_the_runs_a_spread_jobs_ranks_left_beside_it(finished_jo
     assert T.read_job(path, '--json')['runs'] == job['runs'] and not rank_file.exists()
 
 
+def test_a_stop_while_a_resumed_spread_job_reads_its_ranks_files_leaves_its_file(finished_job, tmp_path,
+                                                                                 monkeypatch):
+    """Ctrl-C (or torchrun's SIGTERM) while rank 0 reads the ranks' files: the job's file stays as it
+    was, not rewritten with only the runs read so far. Rank 0 of 2 here, its process group stubbed."""
+    source, options = finished_job
+    job = json.loads(source.read_text())
+    path, rank_file = tmp_path / 'a.json', tmp_path / '.a.json.rank1'
+    write_job(path, {**job, 'runs': job['runs'][:1], 'runs_finished': 1})
+    write_job(rank_file, {**job, 'runs': job['runs'][1:], 'runs_finished': 1})
+    text = path.read_bytes()
+    for name, value in (('RANK', 0), ('LOCAL_RANK', 0), ('WORLD_SIZE', 2)):
+        monkeypatch.setenv(name, str(value))
+    monkeypatch.setattr(T, 'join_process_group', lambda *args, **kwargs: None)
+    monkeypatch.setattr(T.dist, 'barrier', lambda *args, **kwargs: None)
+    read_job, stops = T.read_job, []
+
+    def stopped_once(file, option):
+        if Path(file) == rank_file and not stops:
+            stops.append(file)
+            raise KeyboardInterrupt
+        return read_job(file, option)
+    monkeypatch.setattr(T, 'read_job', stopped_once)
+    sigterm = signal.getsignal(signal.SIGTERM)                    # a spread job's rank takes SIGTERM
+    try:
+        assert T.main([*options, '--runs', '2', '--spread', 'runs', '--resume', str(path)]) == 130
+    finally:
+        signal.signal(signal.SIGTERM, sigterm)
+    assert stops and path.read_bytes() == text and rank_file.exists()
+
+
 def test_resume_reads_back_a_failed_run_as_failed(finished_job, tmp_path, monkeypatch, capsys):
     """A run whose loss became NaN is written with nulls (JSON has no NaN); read back, its table
     shows nan, it stays failed, and the job's status is 1."""

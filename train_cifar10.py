@@ -1783,7 +1783,7 @@ class Job:
         self.fp32_math = fp32_precision(self.device, self.dtype)
         self.flops = count_flops(hyp, len(data['train_images']), len(data['test_images']))
         self.peak = peak_tflops(self.device, self.dtype, args.peak_tflops)
-        self.context = dict(
+        context = dict(
             script_sha256=script_hash(), torch=torch.__version__,
             device=device_description(self.device), ranks=self.batch_ranks, dtype=str(self.dtype),
             fp32_math=self.fp32_math, compile=self.compiled, channels_last=self.channels_last,
@@ -1791,14 +1791,15 @@ class Job:
             data_digest=data['digest'],
             train_images=len(data['train_images']), test_images=len(data['test_images']),
             flops=self.flops, peak_tflops=self.peak)
-        self.read_back = resumed_runs(job, args.resume, self.context, args.runs) if job else []
+        self.read_back = resumed_runs(job, args.resume, context, args.runs) if job else []
         left = rank_files(args.resume) if args.resume else []
         for path in left:  # runs a spread job's ranks left that its rank 0 may not have taken in
             known = {run['run'] for run in self.read_back}
             self.read_back += [run for run in resumed_runs(read_job(path, '--resume'), path,
-                                                           self.context, args.runs)
+                                                           context, args.runs)
                                if run['run'] not in known]
         self.runs = sorted(self.read_back, key=lambda run: run['run'])
+        self.context = context  # only now may a stop write the job's file (Job.interrupted)
         elsewhere = args.resume and (args.log_tsv or Path(args.json).resolve() !=
                                      Path(args.resume).resolve())  # --json B, --log-tsv
         if self.rank == 0 and (left or self.spread or elsewhere):
