@@ -1230,6 +1230,26 @@ def test_ctrl_c_at_any_stage_ends_cleanly(dataset, tmp_path, monkeypatch, capsys
         assert 'runs:' not in out and leftovers(tmp_path) == []
 
 
+def test_ctrl_c_as_a_finished_job_ends_changes_nothing(finished_job, monkeypatch, capsys):
+    """Ctrl-C after the last run, while the process group is left (seconds under NCCL): the summary
+    and status 0, no traceback."""
+    source, options = finished_job
+    no_training(monkeypatch)
+    leave = T.leave_process_group
+
+    def interrupted_leave():
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.05)                                          # room for a handler to run
+        leave()
+    monkeypatch.setattr(T, 'leave_process_group', interrupted_leave)
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)   # ignored in a shell's `&` job
+    try:
+        assert T.main([*options, '--runs', '2', '--resume', str(source)]) == 0
+    finally:
+        signal.signal(signal.SIGINT, before)
+    assert 'runs: 2 finished' in capsys.readouterr().out
+
+
 def test_ctrl_c_during_a_download_leaves_no_part(tmp_path, monkeypatch, capsys):
     class Response:                                               # 1 kB arrives, then Ctrl-C
         headers = {'Content-Length': '2000000'}

@@ -1990,7 +1990,7 @@ def main(argv=None):
     except KeyboardInterrupt:
         job.stopped = True
     finally:
-        with signals_held(discard=job.stopped):  # a job that stops ends whole: Ctrl-C twice too
+        with signals_held(discard=True):  # the job has ended, whole: a Ctrl-C now changes nothing
             try:
                 if job.stopped:
                     job.interrupted()
@@ -2000,7 +2000,7 @@ def main(argv=None):
                 job.networks = None  # its DDP model holds the process group
                 leave_process_group()
                 release_job_file(job.lock)
-    with signals_held(discard=job.stopped):
+    with signals_held(discard=True):
         status = job.finish()
     return 1 if error else status
 
