@@ -1455,10 +1455,14 @@ def test_resume_of_a_finished_job_prints_its_tables_and_summary_and_trains_nothi
     accuracies = [r['accuracy'] for r in json.loads(text)['runs']]
     assert f'mean {100 * np.mean(accuracies):.2f} %' in out
     assert source.read_bytes() == text and source.stat().st_mtime_ns == modified   # not even rewritten
+    rows = 1 + sum(len(r['rows']) for r in json.loads(text)['runs'])  # a TSV's lines: its header, a row an epoch
+    assert T.main([*options, '--runs', '2', '--resume', str(source), '--log-tsv', str(tmp_path / 'a.tsv')]) == 0
+    assert len((tmp_path / 'a.tsv').read_text().splitlines()) == rows
+    assert source.read_bytes() == text and source.stat().st_mtime_ns == modified
     copy, tsv = tmp_path / 'b.json', tmp_path / 'b.tsv'                 # the whole job goes to another file
     assert T.main([*options, '--runs', '2', '--resume', str(source), '--json', str(copy), '--log-tsv', str(tsv)]) == 0
     assert T.read_job(copy, '--json')['runs'] == json.loads(text)['runs'] and source.read_bytes() == text
-    assert len(tsv.read_text().splitlines()) == 1 + sum(len(r['rows']) for r in json.loads(text)['runs'])
+    assert len(tsv.read_text().splitlines()) == rows
 
 
 def test_spread_runs_needs_json_and_keeps_a_ranks_runs_whose_job_file_is_gone(dataset, tmp_path, monkeypatch, capsys):

@@ -1334,10 +1334,10 @@ def json_ready(x):
     return None if isinstance(x, float) and not math.isfinite(x) else x
 
 
-def write_results(args, context, runs, summary, hyp, ema=None, ema_run=None):
-    """Write --json, --log-tsv and --save (ema, the EMA model of run ema_run), each atomically,
-    after every run: a crash at run 37 keeps runs 1-36."""
-    if args.json:
+def write_results(args, context, runs, summary, hyp, ema=None, ema_run=None, job_file=True):
+    """Write --json (if job_file), --log-tsv and --save (ema, the EMA model of run ema_run), each
+    atomically, after every run: a crash at run 37 keeps runs 1-36."""
+    if args.json and job_file:
         job = dict(context, runs_finished=len(runs), runs_requested=args.runs, runs=runs,
                    summary=summary)
         write_atomically(args.json, job_file_text(job).encode(), '--json')
@@ -1800,11 +1800,11 @@ class Job:
                                if run['run'] not in known]
         self.runs = sorted(self.read_back, key=lambda run: run['run'])
         self.context = context  # only now may a stop write the job's file (Job.interrupted)
-        elsewhere = args.resume and (args.log_tsv or Path(args.json).resolve() !=
-                                     Path(args.resume).resolve())  # --json B, --log-tsv
-        if self.rank == 0 and (left or self.spread or elsewhere):
+        other_file = args.resume and Path(args.json).resolve() != Path(args.resume).resolve()
+        job_file = bool(left or self.spread or other_file)  # --resume A alone leaves A as it is
+        if self.rank == 0 and (job_file or (args.resume and args.log_tsv)):
             with signals_held():
-                self.write()  # every run read back, before any rank writes its own (or none is)
+                self.write(job_file=job_file)  # the runs read back, before any rank writes its own
         if self.spread:
             dist.barrier()  # ... nor before every rank has read them
 
@@ -1897,11 +1897,11 @@ class Job:
                 self.write(ema, records[-1] if ema is not None else None)
             self.print_due()
 
-    def write(self, ema=None, ema_run=None):
+    def write(self, ema=None, ema_run=None, job_file=True):
         """Write the files of the runs kept; a failure stops the job with one line."""
         try:
             write_results(self.args, self.context, self.runs, self.summary(), self.hyp, ema,
-                          ema_run)
+                          ema_run, job_file)
         except UserError as e:
             json = self.args.json and Path(self.args.json).exists()
             rest = (f'--resume {self.args.json} trains the runs it lacks' if json else
