@@ -882,9 +882,9 @@ def test_download_checks_md5_extracts_and_never_downloads_again(tmp_path, server
     assert len(hits) == 1
 
 
-def test_jobs_that_fetch_cifar10_together_do_not_undo_each_other(tmp_path, server, monkeypatch):
-    """Two jobs started at once on one disk (two GPUs, or nodes sharing ./data) each download into a
-    part file of their own; the one that extracts second finds the folder whole, not an error."""
+def test_machines_that_fetch_cifar10_together_do_not_undo_each_other(tmp_path, server, monkeypatch):
+    """torchrun's nodes sharing ./data each download into a part file of their machine's own; the
+    one that extracts second finds the folder whole, not an error."""
     url, files, _, _ = server
     archive, md5 = make_archive(tmp_path)
     files['/cifar-10-python.tar.gz'] = archive
@@ -893,7 +893,7 @@ def test_jobs_that_fetch_cifar10_together_do_not_undo_each_other(tmp_path, serve
                                                                  replace(source, target))[1])
     data_dir = tmp_path / 'data'
     folder = T.ensure_cifar10(data_dir, url + '/cifar-10-python.tar.gz', md5)
-    assert renamed[0] == f'.cifar-10-python.tar.gz.{platform.node()}.{os.getpid()}.part'
+    assert renamed[0] == f'.cifar-10-python.tar.gz.{platform.node()}.part'
     batches = {p.name: p.read_bytes() for p in folder.iterdir()}
     T.extract(data_dir / 'cifar-10-python.tar.gz', data_dir)      # the second job's extraction
     assert {p.name: p.read_bytes() for p in folder.iterdir()} == batches
@@ -955,7 +955,7 @@ def test_no_network_gives_one_clear_error_and_leaves_nothing(tmp_path, server):
             T.ensure_cifar10(tmp_path / 'mine', malformed)
     if Path('/dev/full').exists():                                # a full disk is not the network's fault
         files['/cifar-10-python.tar.gz'] = b'x' * (2 << 20)
-        (tmp_path / 'mine' / f'.cifar-10-python.tar.gz.{platform.node()}.{os.getpid()}.part').symlink_to('/dev/full')
+        (tmp_path / 'mine' / f'.cifar-10-python.tar.gz.{platform.node()}.part').symlink_to('/dev/full')
         with pytest.raises(T.UserError, match=r'; cannot write .*\.part \(No space left on device\)$'):
             T.ensure_cifar10(tmp_path / 'mine', url + '/cifar-10-python.tar.gz')
         assert leftovers(tmp_path / 'mine') == []

@@ -568,10 +568,10 @@ class UserError(Exception):
 
 
 def download(url, archive, md5):
-    """Download url to archive, which appears only whole: a part file of this process's own is
+    """Download url to archive, which appears only whole: a part file of this machine's own is
     renamed once its md5 is the official one (a cut connection ends early without raising: the md5
-    finds it). Jobs that start together on one disk each download whole."""
-    partial = archive.with_name(f'.{archive.name}.{platform.node()}.{os.getpid()}.part')
+    finds it). Machines that share the disk (torchrun's nodes) each download whole."""
+    partial = archive.with_name(f'.{archive.name}.{platform.node()}.part')
     try:
         with urllib.request.urlopen(url, timeout=60) as response, open(partial, 'wb') as out:
             total = int(response.headers.get('Content-Length') or 0) / 1e6
@@ -586,7 +586,8 @@ def download(url, archive, md5):
                             'not the CIFAR-10 archive; nothing was kept, try again')
         os.replace(partial, archive)
     except (OSError, ValueError, http.client.HTTPException) as e:  # ValueError: a malformed url
-        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EACCES, errno.EROFS):
+        local = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EACCES, errno.EPERM, errno.EROFS)
+        if isinstance(e, OSError) and e.errno in local:
             raise UserError(f'cannot write {partial} ({e.strerror})') from None  # not the network
         why = ' '.join(str(part) for part in (getattr(e, 'code', None), getattr(e, 'reason', e))
                        if part is not None)
@@ -602,7 +603,8 @@ def extract(archive, data_dir):
         raise UserError(f'this Python {platform.python_version()} cannot extract archives safely '
                         '(tarfile has no data filter): use Python 3.10.12, 3.11.4, 3.12 or later')
     try:
-        with tempfile.TemporaryDirectory(dir=data_dir, prefix='.extract-') as staging:
+        with tempfile.TemporaryDirectory(dir=data_dir, prefix='.extract-',
+                                         ignore_cleanup_errors=True) as staging:
             with tarfile.open(archive, 'r:gz') as tar:
                 tar.extractall(staging, filter='data')  # refuses absolute paths, links out, devices
             os.replace(os.path.join(staging, BATCHES_DIR), data_dir / BATCHES_DIR)
