@@ -539,9 +539,8 @@ def train_run(data, networks, hyp, seed, on_epoch, steps_per_epoch=None, test_ba
 
 
 # #############################################################################################
-# Harness: nothing below changes the recipe's arithmetic, but for --tiny's settings (TINY) and
-# TF32 on CUDA (fp32_precision). Download, devices and precision, compilation, torchrun, timing,
-# reporting, statistics, job files, the command line.
+# Harness: the settings a run is given (device, dtype, compilation, TF32, ranks, --tiny's TINY),
+# and all around it: download, torchrun, timing, reporting, statistics, job files, command line.
 # #############################################################################################
 
 # =============================================================================================
@@ -1261,8 +1260,8 @@ def peak_tflops(device, dtype, given=None):
 def t_cdf(t, df):
     """P(T <= t) for Student's t with df >= 1. With t = sqrt(df) tan(u) the density is cos(u)^(df-1)
     / B(df/2, 1/2), so the tail beyond |t| is its integral from atan(|t| / sqrt(df)): by Simpson's
-    rule, over 40 / sqrt(df) at most (the rest is below e^-800 of it), to 1e-6 of the tail, 1e-4
-    below 2 degrees of freedom (where the integrand's slope is infinite at pi/2)."""
+    rule, over 40 / sqrt(df) at most (the rest is below e^-800 of it), to 2e-6 of the tails above
+    1e-12 for df 2 to 1e5, 1e-4 below 2 (where the integrand's slope is infinite at pi/2)."""
     start = math.atan(abs(t) / math.sqrt(df))
     u, h = np.linspace(start, min(math.pi / 2, start + 40 / math.sqrt(df)), 2001, retstep=True)
     f = np.cos(u) ** (df - 1)
@@ -1973,7 +1972,8 @@ def compare(paths, argv):
 def main(argv=None):
     """Train --runs models, print the tables and the summary; returns the exit status. Under
     torchrun, one rank of a process group; only rank 0 prints and writes files. Ctrl-C at any
-    stage ends it cleanly: status 130, the summary of the finished runs, no traceback."""
+    stage ends it cleanly: status 130, the summary of the finished runs, no traceback (after the
+    last run, it is ignored)."""
     if argv is None:
         argv = [] if in_notebook_cell() else sys.argv[1:]
     try:
