@@ -1476,6 +1476,27 @@ def test_spread_runs_needs_json_and_keeps_a_ranks_runs_whose_job_file_is_gone(da
     assert (tmp_path / '.a.json.rank1').read_text() == '{}'
 
 
+def test_a_spread_job_over_unlike_machines_is_refused_before_any_run(dataset, tmp_path, monkeypatch, capsys):
+    """Its runs would go into one job under rank 0's device, and --resume would refuse the others'.
+    Rank 0 of 2 here, its group stubbed: rank 1 reports another GPU."""
+    for name, value in (('RANK', 0), ('LOCAL_RANK', 0), ('WORLD_SIZE', 2)):
+        monkeypatch.setenv(name, str(value))
+    monkeypatch.setattr(T, 'join_process_group', lambda *args, **kwargs: None)
+    monkeypatch.setattr(T.dist, 'barrier', lambda *args, **kwargs: None)
+    monkeypatch.setattr(T.dist, 'all_gather_object', lambda contexts, context: contexts.__setitem__(
+        slice(None), [context, {**context, 'device': 'NVIDIA A100-SXM4-40GB, CUDA 12.8, cuDNN 91002'}]))
+    no_training(monkeypatch)
+    sigterm = signal.getsignal(signal.SIGTERM)                    # a spread job's rank takes SIGTERM
+    try:
+        assert T.main(['--tiny', '--data-dir', str(dataset), '--spread', 'runs', '--json', str(tmp_path / 'a.json')]) == 1
+    finally:
+        signal.signal(signal.SIGTERM, sigterm)
+    err = capsys.readouterr().err
+    assert err.startswith('error (rank 0): the ranks differ in device (CPU (') and err.count('\n') == 1
+    assert '-> NVIDIA A100-SXM4-40GB' in err and '(rank 0 -> another): ' in err
+    assert not (tmp_path / 'a.json').exists()
+
+
 def test_resume_takes_in_the_runs_a_spread_jobs_ranks_left_beside_it(finished_job, tmp_path, monkeypatch, capsys):
     """Rank 0 killed before it took in rank 1's last run: that run waits in rank 1's file, which
     --resume reads (on any number of ranks), writes into the job's file, then removes."""
@@ -1509,6 +1530,8 @@ def test_a_stop_while_a_resumed_spread_job_reads_its_ranks_files_leaves_its_file
         monkeypatch.setenv(name, str(value))
     monkeypatch.setattr(T, 'join_process_group', lambda *args, **kwargs: None)
     monkeypatch.setattr(T.dist, 'barrier', lambda *args, **kwargs: None)
+    monkeypatch.setattr(T.dist, 'all_gather_object', lambda contexts, context: contexts.__setitem__(
+        slice(None), [context, context]))                           # rank 1 alike
     read_job, stops = T.read_job, []
 
     def stopped_once(file, option):

@@ -1792,6 +1792,14 @@ class Job:
             data_digest=data['digest'],
             train_images=len(data['train_images']), test_images=len(data['test_images']),
             flops=self.flops, peak_tflops=self.peak)
+        if self.spread:  # the ranks' runs make one job: every rank's settings must be rank 0's
+            contexts = [None] * self.world
+            dist.all_gather_object(contexts, context)
+            differences = sorted({d for c in contexts for d in job_differences(contexts[0], c)})
+            if differences:
+                raise UserError(f"the ranks differ in {', '.join(differences)} (rank 0 -> "
+                                "another): a --spread runs job's runs must be one job's; use "
+                                'machines alike')
         self.read_back = resumed_runs(job, args.resume, context, args.runs) if job else []
         left = rank_files(args.resume) if args.resume else []
         for path in left:  # runs a spread job's ranks left that its rank 0 may not have taken in
