@@ -1476,21 +1476,29 @@ def test_spread_runs_needs_json_and_keeps_a_ranks_runs_whose_job_file_is_gone(da
     assert (tmp_path / '.a.json.rank1').read_text() == '{}'
 
 
-def test_a_spread_job_over_unlike_machines_is_refused_before_any_run(dataset, tmp_path, monkeypatch, capsys):
-    """Its runs would go into one job under rank 0's device, and --resume would refuse the others'.
-    Rank 0 of 2 here, its group stubbed: rank 1 reports another GPU."""
+@pytest.fixture
+def rank_0_of_2(monkeypatch):
+    """This process as rank 0 of 2, as torchrun starts it, its process group stubbed (rank 1 alike);
+    the SIGTERM handler a spread job's rank sets is put back after."""
     for name, value in (('RANK', 0), ('LOCAL_RANK', 0), ('WORLD_SIZE', 2)):
         monkeypatch.setenv(name, str(value))
     monkeypatch.setattr(T, 'join_process_group', lambda *args, **kwargs: None)
     monkeypatch.setattr(T.dist, 'barrier', lambda *args, **kwargs: None)
     monkeypatch.setattr(T.dist, 'all_gather_object', lambda contexts, context: contexts.__setitem__(
+        slice(None), [context, context]))
+    sigterm = signal.getsignal(signal.SIGTERM)
+    yield
+    signal.signal(signal.SIGTERM, sigterm)
+
+
+def test_a_spread_job_over_unlike_machines_is_refused_before_any_run(dataset, tmp_path, monkeypatch, capsys,
+                                                                    rank_0_of_2):
+    """Its runs would go into one job under rank 0's device, and --resume would refuse the others'.
+    Rank 1 reports another GPU."""
+    monkeypatch.setattr(T.dist, 'all_gather_object', lambda contexts, context: contexts.__setitem__(
         slice(None), [context, {**context, 'device': 'NVIDIA A100-SXM4-40GB, CUDA 12.8, cuDNN 91002'}]))
     no_training(monkeypatch)
-    sigterm = signal.getsignal(signal.SIGTERM)                    # a spread job's rank takes SIGTERM
-    try:
-        assert T.main(['--tiny', '--data-dir', str(dataset), '--spread', 'runs', '--json', str(tmp_path / 'a.json')]) == 1
-    finally:
-        signal.signal(signal.SIGTERM, sigterm)
+    assert T.main(['--tiny', '--data-dir', str(dataset), '--spread', 'runs', '--json', str(tmp_path / 'a.json')]) == 1
     err = capsys.readouterr().err
     assert err.startswith('error (rank 0): the ranks differ in device (CPU (') and err.count('\n') == 1
     assert '-> NVIDIA A100-SXM4-40GB' in err and '(rank 0 -> another): ' in err
@@ -1517,21 +1525,15 @@ def test_resume_takes_in_the_runs_a_spread_jobs_ranks_left_beside_it(finished_jo
 
 
 def test_a_stop_while_a_resumed_spread_job_reads_its_ranks_files_leaves_its_file(finished_job, tmp_path,
-                                                                                 monkeypatch):
+                                                                                 monkeypatch, rank_0_of_2):
     """Ctrl-C (or torchrun's SIGTERM) while rank 0 reads the ranks' files: the job's file stays as it
-    was, not rewritten with only the runs read so far. Rank 0 of 2 here, its process group stubbed."""
+    was, not rewritten with only the runs read so far."""
     source, options = finished_job
     job = json.loads(source.read_text())
     path, rank_file = tmp_path / 'a.json', tmp_path / '.a.json.rank1'
     write_job(path, {**job, 'runs': job['runs'][:1], 'runs_finished': 1})
     write_job(rank_file, {**job, 'runs': job['runs'][1:], 'runs_finished': 1})
     text = path.read_bytes()
-    for name, value in (('RANK', 0), ('LOCAL_RANK', 0), ('WORLD_SIZE', 2)):
-        monkeypatch.setenv(name, str(value))
-    monkeypatch.setattr(T, 'join_process_group', lambda *args, **kwargs: None)
-    monkeypatch.setattr(T.dist, 'barrier', lambda *args, **kwargs: None)
-    monkeypatch.setattr(T.dist, 'all_gather_object', lambda contexts, context: contexts.__setitem__(
-        slice(None), [context, context]))                           # rank 1 alike
     read_job, stops = T.read_job, []
 
     def stopped_once(file, option):
@@ -1540,11 +1542,7 @@ def test_a_stop_while_a_resumed_spread_job_reads_its_ranks_files_leaves_its_file
             raise KeyboardInterrupt
         return read_job(file, option)
     monkeypatch.setattr(T, 'read_job', stopped_once)
-    sigterm = signal.getsignal(signal.SIGTERM)                    # a spread job's rank takes SIGTERM
-    try:
-        assert T.main([*options, '--runs', '2', '--spread', 'runs', '--resume', str(path)]) == 130
-    finally:
-        signal.signal(signal.SIGTERM, sigterm)
+    assert T.main([*options, '--runs', '2', '--spread', 'runs', '--resume', str(path)]) == 130
     assert stops and path.read_bytes() == text and rank_file.exists()
 
 

@@ -1768,8 +1768,9 @@ class Job:
                             'through files beside it')
         if written and self.rank == 0:
             self.lock = hold_job_file(written)  # one writer: a second job on it is refused
-        same = args.resume and Path(args.json or '').resolve() == Path(args.resume).resolve()
-        if args.json and not same:
+        other_file = bool(args.resume and args.json) and (  # --resume A --json B
+            Path(args.json).resolve() != Path(args.resume).resolve())
+        if args.json and (other_file or not args.resume):
             check_new_job_file(args.json)  # a new job's file, --resume A --json B's B too
         args.json = written
         job = read_job(args.resume, '--resume') if args.resume else None  # refused before any work
@@ -1809,7 +1810,6 @@ class Job:
                                if run['run'] not in known]
         self.runs = sorted(self.read_back, key=lambda run: run['run'])
         self.context = context  # only now may a stop write the job's file (Job.interrupted)
-        other_file = args.resume and Path(args.json).resolve() != Path(args.resume).resolve()
         job_file = bool(left or self.spread or other_file)  # --resume A alone leaves A as it is
         if self.rank == 0 and (job_file or (args.resume and args.log_tsv)):
             with signals_held():
