@@ -11,10 +11,9 @@ The final recipe of David Page's "How to train your ResNet" (Myrtle.ai, 2018-19)
 test accuracy in 10 epochs (26 s on one V100): a ResNet9 whose first layer is a fixed whitening of
 3x3 patches, ghost batch norm, CELU, half precision with batch norm in fp32, label smoothing,
 Nesterov SGD on a piecewise-linear schedule, an EMA of the weights, flip test-time augmentation.
-The data is augmented on the device over whole batches. Read top to bottom: the hyperparameters,
-the recipe in the order a run uses it, then below a banner the harness. Its rank helpers that the
-recipe calls (rank_and_world, data_parallel, *_over_ranks, same_on_every_rank) do nothing in one
-process, where synced_clock syncs the device and reads the clock.
+Read top to bottom: the hyperparameters, the recipe in the order a run uses it, then the harness
+below a banner, whose rank helpers that the recipe calls (rank_and_world, data_parallel,
+*_over_ranks, same_on_every_rank) do nothing in one process.
 
 Evidence (README.md): no GPU has timed this version yet. On 2 CPU cores one 10-epoch run
 (run_log.txt) reached 90.82 % on a JPEG stand-in for CIFAR-10; a step took 7.1 s, Page's 9.8 s.
@@ -87,7 +86,7 @@ def normalise(images, device, dtype):
 
 def balanced_choice(n, options, max_options, generator):
     """For each of n images one of options choices, as Page's loader draws them: at most
-    max_options of them, each for an equal share of the images, from the run's CPU generator."""
+    max_options of them, each for an equal share of the images."""
     picked = torch.randperm(options, generator=generator)[:max_options]
     return picked[torch.randperm(n, generator=generator) % len(picked)]
 
@@ -108,9 +107,8 @@ def draw_augmentation(n, hyp, generator):
 
 
 def crop(padded, top, left, size):
-    """Image i's size x size window at (top[i], left[i]), top and left on the CPU: the images
-    grouped by offset (81 groups for a pad of 4), each cut with a slice, as Page's loader does (a
-    per-pixel gather would take 4 times the images' memory)."""
+    """Image i's size x size window at (top[i], left[i]): the images grouped by offset (81 groups
+    for a pad of 4), each group cut by a slice (a per-pixel gather takes 4 times their memory)."""
     width = padded.shape[3]
     offsets = top * width + left  # each image's, as one number
     order = torch.argsort(offsets, stable=True)  # the images grouped by offset
@@ -213,10 +211,9 @@ class WhitenedPrep(nn.Module):
 
 
 class GhostBatchNorm(nn.BatchNorm2d):
-    """Batch norm with statistics over splits of split_size images, scale frozen at 1: noisier
-    statistics regularise (Page: 32 images a split). Split k of s holds images k, k+s, ... as in
-    Page's code: a view (n/s, s, c, h, w), no copy. Statistics in fp32; the running ones move by
-    the splits' average."""
+    """Batch norm with statistics over splits of split_size images (noisier statistics regularise),
+    scale frozen at 1. Split k of s holds images k, k+s, ... as in Page's code: a view, no copy.
+    Statistics in fp32; the running ones move by the splits' average."""
 
     def __init__(self, channels, split_size):
         super().__init__(channels)
@@ -420,12 +417,10 @@ class Networks:
         tta = torch.compile(flip_tta_logits, dynamic=False) if compiled else flip_tta_logits
         self.flip_tta_logits = in_tf32(tta) if evaluates_in_tf32(device, dtype) else tta
 
-    def loss(self, images, labels):
-        """A training step's forward: the summed loss on a batch, and the logits."""
+    def loss(self, images, labels):  # a training step's forward
         return self.summed_loss(self.parallel, images, labels, self.hyp['label_smoothing'])
 
-    def tta_logits(self, images):
-        """The EMA model's flip-TTA logits."""
+    def tta_logits(self, images):  # the EMA model's, evaluated
         return self.flip_tta_logits(self.ema, images)
 
     @torch.no_grad()
@@ -471,8 +466,7 @@ def train_epoch(networks, images, labels, epoch, steps, hyp):
 # 4. Evaluation: the EMA model with flip test-time augmentation
 # =============================================================================================
 def test_set(data, networks, hyp, last_batches=None):
-    """This rank's test images, normalised in the EMA's dtype, and labels (the last_batches last
-    evaluation batches of them, if given)."""
+    """This rank's test images in the EMA's dtype and labels (their last_batches last batches)."""
     rank, world = rank_and_world()  # this rank's: images rank, rank + world, ...
     images = normalise(data['test_images'][rank::world], networks.device, networks.ema_dtype)
     images = images.contiguous(memory_format=networks.memory_format)
@@ -567,9 +561,8 @@ class UserError(Exception):
 
 
 def download(url, archive, md5):
-    """Download url to archive, which appears only whole: a part file of this machine's own is
-    renamed once its md5 is the official one (a cut connection ends early without raising: the md5
-    finds it). Machines that share the disk (torchrun's nodes) each download whole."""
+    """Download url to archive, which appears only whole: this machine's part file (nodes may share
+    the disk) is renamed once its md5 is the official one (a cut connection ends quietly)."""
     partial = archive.with_name(f'.{archive.name}.{platform.node()}.part')
     try:
         with urllib.request.urlopen(url, timeout=60) as response, open(partial, 'wb') as out:
@@ -617,8 +610,8 @@ def extract(archive, data_dir):
 
 
 def ensure_cifar10(data_dir, url=CIFAR10_URL, md5=CIFAR10_MD5):
-    """The folder of CIFAR-10's batch files: data_dir if it is one, else its cifar-10-batches-py,
-    downloaded if missing. A failed download removes the folders it made (a mistyped path, say)."""
+    """The folder of CIFAR-10's batch files: data_dir or its cifar-10-batches-py, downloaded if
+    missing; a failed download removes the folders it made (a mistyped path, say)."""
     data_dir = Path(data_dir)
     if (data_dir / TRAIN_FILES[0]).is_file():
         return data_dir
@@ -689,8 +682,8 @@ def read_batch(path):
 
 
 def load_cifar10(folder):
-    """The training and test sets as arrays (uint8 images N x 3 x 32 x 32, int64 labels N), a line
-    saying whether they are the official files, and a digest naming the copy."""
+    """The training and test sets as uint8 images and int64 labels, whether they are the official
+    files, and a digest naming the copy."""
     train = [read_batch(folder / name) for name in TRAIN_FILES]
     test = read_batch(folder / TEST_FILE)
     md5s = [md5 for _, _, md5 in train + [test]]
@@ -769,8 +762,8 @@ def probe_run(device, dtype, channels_last):
 
 
 def evaluates_in_tf32(device, dtype):
-    """Whether the EMA's fp32 evaluation may use TF32 (10 mantissa bits, as the fp16 Page evaluated
-    in): on a CUDA GPU that has it (8.0 or later), training in fp16 or bf16."""
+    """Whether the EMA's fp32 evaluation may use TF32 (10 mantissa bits, as Page's fp16): on CUDA
+    8.0 or later, training in fp16 or bf16."""
     return (device.type == 'cuda' and dtype != torch.float32
             and torch.cuda.get_device_capability(device)[0] >= 8)
 
@@ -812,9 +805,9 @@ def speed_settings(args, device):
 # Compilation: compiled before the warm-up, checked against eager, eager if it fails
 # =============================================================================================
 def compiled_warm_up(data, hyp, device, dtype, compiled, channels_last, log):
-    """Build the networks, compile them if asked, warm them up; returns them and whether compiled.
-    A compilation that fails or disagrees with eager is said in one line, and every rank trains
-    eager: ranks that trained differently would wait for each other's collectives for ever."""
+    """Build, compile if asked and warm up the networks; returns them and whether compiled. If the
+    compilation fails or disagrees with eager on any rank, one line says so and every rank trains
+    eager (ranks that trained differently would wait for each other's collectives for ever)."""
     networks = Networks(hyp, device, dtype, compiled, channels_last)
     if compiled:
         rank, _, world = torchrun_ranks()
@@ -1012,8 +1005,6 @@ def same_on_every_rank(tensor):
     return tensor
 
 
-SILENCE_S = 600  # the least time rank 0 waits for a silent rank's runs: Job.wait_for_other_ranks
-
 
 @contextlib.contextmanager
 def signals_held(discard=False):
@@ -1033,11 +1024,6 @@ def signals_held(discard=False):
         if caught and not discard:
             signal.raise_signal(caught[0])  # now, to the handler it was meant for
 
-
-def stop_as_if_interrupted(signum, frame):
-    """torchrun stops every rank with SIGTERM when one fails: each then ends as Ctrl-C ends it,
-    rank 0 keeping what has arrived of the other ranks' runs."""
-    raise KeyboardInterrupt
 
 
 # =============================================================================================
@@ -1608,39 +1594,32 @@ TINY = dict(epochs=4, batch_size=64, train_images=3000, test_images=500, channel
             ema_momentum=0.9, whitening_images=3000, eval_batch_size=250)
 
 
-class HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """--help with each option's default where the help text does not already say it."""
-
-    def _get_help_string(self, action):
-        text = action.help
-        unset = any(action.default is v for v in (None, False, argparse.SUPPRESS))
-        if not unset and 'default' not in text:
-            text += ' (default: %(default)s)'
-        return text
-
 
 def parse_args(argv):
     doc = (__doc__ or '').split('\n\n') + ['']  # the top of this file; none under python -OO
-    p = argparse.ArgumentParser(description=doc[0].split('\n')[0], formatter_class=HelpFormatter,
-                                allow_abbrev=False,
+    p = argparse.ArgumentParser(description=doc[0].split('\n')[0], allow_abbrev=False,
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=f'examples:\n{doc[1]}\n\nREADME.md says more.')
-    add = p.add_argument
+    add, default = p.add_argument, ' (default: %(default)s)'
     add('--epochs', type=int, default=HYP['epochs'],
         help='training epochs; the lr peaks at a fifth of them and holds its floor for the last '
-             f"{HYP['floor_epochs']}")
-    add('--runs', type=int, default=1, help='independent runs (seeds seed, seed+1, ...)')
+             f"{HYP['floor_epochs']}{default}")
+    add('--runs', type=int, default=1, help='independent runs (seeds seed, seed+1, ...)' + default)
     add('--batch-size', type=int, default=HYP['batch_size'],
-        help=f"images per step, a multiple of {HYP['bn_split_size']} (the ghost batch-norm split)")
+        help=f"images per step, a multiple of {HYP['bn_split_size']} (the ghost batch norm's split)"
+             + default)
     add('--data-dir', default='./data',
-        help=f'holds {BATCHES_DIR}/ (or is that folder), downloaded if missing')
+        help=f'holds {BATCHES_DIR}/ (or is that folder), downloaded if missing' + default)
     add('--data-url', default=os.environ.get('CIFAR10_URL') or CIFAR10_URL,
         help='where to download the archive from (a mirror; also the CIFAR10_URL environment '
              'variable); its md5 must be the official one; default: the official address')
-    add('--device', default='auto', help='auto (cuda, then mps, then cpu), cuda, cuda:N, mps, cpu')
+    add('--device', default='auto',
+        help='auto (cuda, then mps, then cpu), cuda, cuda:N, mps, cpu' + default)
     add('--dtype', default='auto', choices=['auto', 'fp16', 'bf16', 'fp32'],
-        help='precision of everything but batch norm; auto: fp16 on cuda, fp32 elsewhere')
-    add('--seed', type=int, default=0, help='seed of the first run')
-    add('--cutout', type=int, default=HYP['cutout'], help='side of the cutout square; 0 for none')
+        help='precision of everything but batch norm; auto: fp16 on cuda, fp32 elsewhere' + default)
+    add('--seed', type=int, default=0, help='seed of the first run' + default)
+    add('--cutout', type=int, default=HYP['cutout'],
+        help='side of the cutout square; 0 for none' + default)
     add('--tiny', action='store_true',
         help=f"{TINY['train_images']} training and {TINY['test_images']} test images, channels "
              f"{TINY['channels']}, {TINY['epochs']} epochs at batch {TINY['batch_size']}: an "
@@ -1662,7 +1641,7 @@ def parse_args(argv):
              'on for cuda and cpu, off for mps and for --tiny')
     add('--spread', choices=['batches', 'runs'], default='batches',
         help='under torchrun: split each batch over the ranks (data parallel), or give each rank '
-             'whole runs of its own (a job of many runs on many GPUs)')
+             'whole runs of its own (a job of many runs on many GPUs)' + default)
     add('--peak-tflops', type=float, metavar='TFLOPS',
         help="the device's peak, for the model-FLOP utilisation (known GPUs are in PEAK_TFLOPS)")
     args = p.parse_args(argv)
@@ -1779,8 +1758,8 @@ class Job:
         self.dtype = pick_dtype(args.dtype, self.device, self.channels_last)
         if self.world > 1:
             join_process_group(self.device, not self.spread)  # spread: gloo, for barriers only
-        if self.spread:
-            signal.signal(signal.SIGTERM, stop_as_if_interrupted)
+        if self.spread:  # torchrun stops every rank (SIGTERM) when one fails: end as Ctrl-C does
+            signal.signal(signal.SIGTERM, signal.default_int_handler)
         self.data = data = prepare_data(args, hyp, self.local_rank, self.world)
         self.fp32_math = fp32_precision(self.device, self.dtype)
         self.flops = count_flops(hyp, len(data['train_images']), len(data['test_images']))
@@ -1839,27 +1818,12 @@ class Job:
         for run in missing[self.rank::self.world] if self.spread else missing:
             self.train_one(run)
         if self.rank == 0:
-            if self.spread:
-                self.wait_for_other_ranks()
+            while self.spread and missing_runs(self.runs, args.runs):  # the other ranks' last runs
+                if not self.collect():
+                    time.sleep(0.2)
             for path in rank_files(args.json) if args.json else []:
                 path.unlink()  # every run in it is in --json
 
-    def wait_for_other_ranks(self):
-        """Rank 0, its own runs done: take in the other ranks' last runs. A rank silent for 3 times
-        the longest run, and at least SILENCE_S, is taken for lost (on another node, nothing else
-        watches it)."""
-        last = time.perf_counter()
-        while missing_runs(self.runs, self.args.runs):
-            if self.collect():
-                last = time.perf_counter()
-            patience = max(SILENCE_S, 3 * max(r['time_s'] or 0 for r in self.runs))
-            if time.perf_counter() - last > patience:
-                self.print_due(all_finished=True)
-                self.log(f'\nno run has come for {patience / 60:.0f} min: '
-                         f'{spans(missing_runs(self.runs, self.args.runs))} taken for lost with '
-                         'their ranks; --resume trains them')
-                return
-            time.sleep(0.2)
 
     def collect(self):
         """Rank 0 of a spread job: take in the runs the other ranks have left in their files."""
