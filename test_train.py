@@ -98,9 +98,9 @@ def dataset(tmp_path_factory):
     return data_dir
 
 
-def run_script(*args, cwd=None, timeout=300):
+def run_script(*args, cwd=None, timeout=300, env=None):
     return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True,
-                          cwd=cwd, timeout=timeout)
+                          cwd=cwd, timeout=timeout, env=env)
 
 
 def small_model(hyp_overrides=None, whitening=None):
@@ -1123,11 +1123,17 @@ def test_bf16_is_asked_of_the_chosen_gpu_and_refused_where_only_emulated(monkeyp
 # End to end
 # ---------------------------------------------------------------------------------------------
 def test_tiny_run_learns_prints_the_table_and_writes_its_files(dataset, tmp_path, monkeypatch, capsys):
-    out = tmp_path / 'out'
+    """--tiny, with CIFAR10_DIR set on that copy (where it must learn too), asked to compile on a
+    machine without a C++ compiler: one line says so, and the runs train eager."""
+    data_dir, out = Path(CIFAR10_DIR or dataset), tmp_path / 'out'
     out.mkdir()
-    result = run_script('--tiny', '--data-dir', str(dataset), '--runs', '2', '--json', str(out / 'r.json'),
-                        '--log-tsv', str(out / 'r.tsv'), '--save', str(out / 'ema.pt'), '--gpu-price', '2')
+    result = run_script('--tiny', '--compile', '--data-dir', str(data_dir), '--runs', '2', '--json', str(out / 'r.json'),
+                        '--log-tsv', str(out / 'r.tsv'), '--save', str(out / 'ema.pt'), '--gpu-price', '2',
+                        env={**os.environ, 'CXX': '/nonexistent/g++'})
     assert result.returncode == 0, result.stderr
+    failed = [line for line in result.stdout.splitlines() if 'torch.compile failed' in line]
+    assert len(failed) == 1 and failed[0].endswith('training eager instead') and 'C++ compiler' in failed[0]
+    assert 'Traceback' not in result.stderr
     lines = result.stdout.splitlines()
     header = T.table_line(T.COLUMNS)
     assert lines.count(header) == 2
@@ -1135,7 +1141,7 @@ def test_tiny_run_learns_prints_the_table_and_writes_its_files(dataset, tmp_path
         assert column in header
     rows = [line for line in lines if len(line) == len(header) and line.split()[0].isdigit()]
     assert len(rows) == 2 * T.TINY['epochs']
-    assert 'NOT the official CIFAR-10' in result.stdout
+    assert 'NOT the official CIFAR-10' in result.stdout or CIFAR10_DIR   # the generated copy's md5s
     for text in ('accuracy (flip-TTA, EMA): mean', '95% confidence interval', 'min / median / max',
                  'time per run: mean', 'cost per run'):
         assert text in result.stdout
@@ -1161,12 +1167,12 @@ def test_tiny_run_learns_prints_the_table_and_writes_its_files(dataset, tmp_path
     readme = (SCRIPT.parent / 'README.md').read_text()
     snippet = readme.split('## Use a saved model')[1].split('```python\n')[1].split('```')[0]
     assert "torch.load('ema.pt')" in snippet and '[:8]' in snippet
-    (out / 'data').symlink_to(dataset)
+    (out / 'data').symlink_to(data_dir)
     monkeypatch.chdir(out)                                        # here, in the test's process
     capsys.readouterr()
-    exec(snippet.replace('[:8]', ''), {})
+    exec(snippet.replace('[:8]', f"[:{T.TINY['test_images']}]"), {})   # the images the run tested on
     predicted = eval(capsys.readouterr().out)
-    labels = T.load_cifar10(dataset / T.BATCHES_DIR)['test_labels']
+    labels = T.load_cifar10(data_dir / T.BATCHES_DIR)['test_labels'][:T.TINY['test_images']]
     assert len(predicted) == len(labels) and set(predicted) <= set(T.CLASSES)
     assert np.mean([p == T.CLASSES[y] for p, y in zip(predicted, labels)]) == pytest.approx(last['valid_acc'])
 
@@ -2070,23 +2076,6 @@ def test_real_copy_has_the_official_counts():
     assert np.bincount(data['test_labels']).tolist() == [1000] * 10
     means = data['train_images'].reshape(50000, 3, -1).mean(axis=(0, 2))
     np.testing.assert_allclose(means, T.CIFAR10_MEAN, atol=0.5)  # Page's published channel means
-
-
-def test_a_compile_that_cannot_compile_falls_back_to_eager_in_one_line(dataset, tmp_path):
-    """A machine without a C++ compiler: one line, then eager training. With CIFAR10_DIR set, on that
-    copy, all of --tiny, which must learn there (one process for both checks)."""
-    data_dir, epochs = (CIFAR10_DIR, []) if CIFAR10_DIR else (str(dataset), ['--epochs', '1'])
-    result = subprocess.run([sys.executable, str(SCRIPT), '--tiny', '--compile', *epochs, '--data-dir', data_dir,
-                             '--json', str(tmp_path / 'r.json')], capture_output=True, text=True, timeout=300,
-                            env={**os.environ, 'CXX': '/nonexistent/g++'})
-    assert result.returncode == 0, result.stderr
-    failed = [line for line in result.stdout.splitlines() if 'torch.compile failed' in line]
-    assert len(failed) == 1 and failed[0].endswith('training eager instead') and 'C++ compiler' in failed[0]
-    assert 'Traceback' not in result.stderr and 'runs: 1 finished' in result.stdout
-    if CIFAR10_DIR:
-        report = json.loads((tmp_path / 'r.json').read_text())
-        assert report['runs'][0]['rows'][-1]['valid_acc'] > 0.2  # chance is 0.1
-        print(result.stdout)
 
 
 # ---------------------------------------------------------------------------------------------

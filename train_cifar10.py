@@ -32,9 +32,7 @@ try:  # torch takes seconds to import: Ctrl-C meanwhile ends quietly, with the s
 except KeyboardInterrupt:
     raise SystemExit(130) from None
 
-# =============================================================================================
-# Hyperparameters
-# =============================================================================================
+# ==== Hyperparameters ==========================================================================
 # Values are David Page's final 10-epoch recipe ("How to train your ResNet 8: bag of tricks").
 # The loss is summed over the batch and each step uses lr = schedule(epoch) / batch_size, so the
 # schedule is the learning rate applied to the mean gradient and does not change with the batch
@@ -66,10 +64,8 @@ HYP = dict(
     eval_batch_size=1000,    # any size gives the same results up to rounding; 1000 divides 10,000
 )
 
-# =============================================================================================
-# The recipe, in the order a run uses it. 1. Preprocessing and augmentation of CIFAR-10's uint8
-# images (load_cifar10 reads them), on the training device, over whole batches
-# =============================================================================================
+# ==== 1. Preprocessing and augmentation, on the training device, over whole batches =============
+# The recipe, in the order a run uses it, from CIFAR-10's uint8 images (load_cifar10 reads them).
 NUM_CLASSES = 10
 # Page's per-channel statistics of the CIFAR-10 training set, on the 0-255 scale.
 CIFAR10_MEAN = (125.31, 122.95, 113.87)
@@ -155,9 +151,7 @@ def augmented_epoch(padded, labels, hyp, generator, rank=0, world=1):
     return images[order], labels[order], steps
 
 
-# =============================================================================================
-# 2. The network: whitening, ghost batch norm, ResNet9, its flip-TTA forward
-# =============================================================================================
+# ==== 2. The network: whitening, ghost batch norm, ResNet9, its flip-TTA forward ===============
 def at_least_fp32(dtype):
     """fp32 for fp16 and bf16, the dtype itself for fp32 and wider: the precision of what must
     keep small differences (batch-norm statistics, the loss, the EMA, the whitened prep layer)."""
@@ -297,9 +291,7 @@ def to_training_precision(model, dtype):
     return model
 
 
-# =============================================================================================
-# 3. Training: schedule, optimiser, EMA, the networks built once, one epoch
-# =============================================================================================
+# ==== 3. Training: schedule, optimiser, EMA, the networks built once, one epoch ================
 def piecewise_linear(x, knots, values):
     """Linear interpolation between (knot, value) points, constant beyond the last knot."""
     return float(np.interp(x, knots, values))
@@ -462,9 +454,7 @@ def train_epoch(networks, images, labels, epoch, steps, hyp):
     return loss_sum, correct, lr
 
 
-# =============================================================================================
-# 4. Evaluation: the EMA model with flip test-time augmentation
-# =============================================================================================
+# ==== 4. Evaluation: the EMA model with flip test-time augmentation ============================
 def test_set(data, networks, hyp, last_batches=None):
     """This rank's test images in the EMA's dtype and labels (their last_batches last batches)."""
     rank, world = rank_and_world()  # this rank's: images rank, rank + world, ...
@@ -490,9 +480,7 @@ def evaluate(networks, images, labels, hyp):
     return loss_sum, correct
 
 
-# =============================================================================================
-# 5. One run, timed by the DAWNBench rule
-# =============================================================================================
+# ==== 5. One run, timed by the DAWNBench rule ==================================================
 def train_run(data, networks, hyp, seed, on_epoch, steps_per_epoch=None, test_batches=None):
     """Train one model from the uint8 arrays and return its rows, one an epoch; networks.ema then
     holds its EMA model. seed fixes the weights and every augmentation draw (on the CPU: the same
@@ -537,9 +525,7 @@ def train_run(data, networks, hyp, seed, on_epoch, steps_per_epoch=None, test_ba
 # and all around it: download, torchrun, timing, reporting, statistics, job files, command line.
 # #############################################################################################
 
-# =============================================================================================
-# Download and safe loading of CIFAR-10's files
-# =============================================================================================
+# ==== Download and safe loading of CIFAR-10's files ============================================
 CLASSES = ('airplane', 'automobile', 'bird', 'cat', 'deer', 'dog', 'frog', 'horse', 'ship', 'truck')
 CIFAR10_URL = 'https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz'
 CIFAR10_MD5 = 'c58f30108f718f92721af3b95e74349a'
@@ -581,8 +567,7 @@ def download(url, archive, md5):
         local = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EACCES, errno.EPERM, errno.EROFS)
         if isinstance(e, OSError) and e.errno in local:
             raise UserError(f'cannot write {partial} ({e.strerror})') from None  # not the network
-        why = ' '.join(str(part) for part in (getattr(e, 'code', None), getattr(e, 'reason', e))
-                       if part is not None)
+        why = e if isinstance(e, urllib.error.HTTPError) else getattr(e, 'reason', e)
         raise UserError(f'cannot download {url} ({why}): check the network, or put '
                         f'{BATCHES_DIR}/ into {archive.parent} yourself') from None
     finally:
@@ -610,8 +595,7 @@ def extract(archive, data_dir):
 
 
 def ensure_cifar10(data_dir, url=CIFAR10_URL, md5=CIFAR10_MD5):
-    """The folder of CIFAR-10's batch files: data_dir or its cifar-10-batches-py, downloaded if
-    missing; a failed download removes the folders it made (a mistyped path, say)."""
+    """The folder of the batch files, data_dir or its cifar-10-batches-py, downloaded if missing."""
     data_dir = Path(data_dir)
     if (data_dir / TRAIN_FILES[0]).is_file():
         return data_dir
@@ -620,7 +604,7 @@ def ensure_cifar10(data_dir, url=CIFAR10_URL, md5=CIFAR10_MD5):
     if data_dir.is_file():
         raise UserError(f'--data-dir {data_dir} is a file, not a folder')
     made = next((p for p in [*reversed(data_dir.absolute().parents), data_dir.absolute()]
-                 if not p.exists()), None)  # the first folder this call makes
+                 if not p.exists()), None)  # the first folder made here: a failure removes it
     try:
         data_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -643,16 +627,12 @@ def ensure_cifar10(data_dir, url=CIFAR10_URL, md5=CIFAR10_MD5):
 
 
 class NumpyOnlyUnpickler(pickle.Unpickler):
-    """Unpickles CIFAR-10's batch files without running code from them (a pickle can call any
-    function): they need only numpy's array and dtype, and codecs.encode for bytes."""
+    """Unpickles the batch files without running code from them: numpy arrays, codecs.encode."""
     reconstruct = np.ndarray.__reduce__(np.zeros(0))[0]  # numpy's own, under either module name
-    SAFE = {
-        ('numpy.core.multiarray', '_reconstruct'): reconstruct,   # numpy < 2 spelling
-        ('numpy._core.multiarray', '_reconstruct'): reconstruct,  # numpy >= 2 spelling
-        ('numpy', 'ndarray'): np.ndarray,
-        ('numpy', 'dtype'): np.dtype,
-        ('_codecs', 'encode'): codecs.encode,
-    }
+    SAFE = {('numpy.core.multiarray', '_reconstruct'): reconstruct,   # numpy < 2 spelling
+            ('numpy._core.multiarray', '_reconstruct'): reconstruct,  # numpy >= 2 spelling
+            ('numpy', 'ndarray'): np.ndarray, ('numpy', 'dtype'): np.dtype,
+            ('_codecs', 'encode'): codecs.encode}
 
     def find_class(self, module, name):
         if (module, name) not in self.SAFE:
@@ -682,27 +662,21 @@ def read_batch(path):
 
 
 def load_cifar10(folder):
-    """The training and test sets as uint8 images and int64 labels, whether they are the official
-    files, and a digest naming the copy."""
+    """The training and test sets (uint8 images, int64 labels), their provenance and digest."""
     train = [read_batch(folder / name) for name in TRAIN_FILES]
     test = read_batch(folder / TEST_FILE)
-    md5s = [md5 for _, _, md5 in train + [test]]
-    names = TRAIN_FILES + (TEST_FILE,)
-    differing = [name for name, md5 in zip(names, md5s) if md5 != OFFICIAL_MD5[name]]
-    if differing:
-        provenance = (f'NOT the official CIFAR-10: {", ".join(differing)} differ from the official '
-                      'md5s, so accuracies below are not CIFAR-10 results')
-    else:
-        provenance = 'official CIFAR-10 (all six batch files match their published md5s)'
-    digest = hashlib.sha256(' '.join(md5s).encode()).hexdigest()[:16]
+    md5s = dict(zip(TRAIN_FILES + (TEST_FILE,), [md5 for _, _, md5 in train + [test]]))
+    differing = [name for name, md5 in md5s.items() if md5 != OFFICIAL_MD5[name]]
+    provenance = (f'NOT the official CIFAR-10: {", ".join(differing)} differ from the official '
+                  'md5s, so accuracies below are not CIFAR-10 results' if differing else
+                  'official CIFAR-10 (all six batch files match their published md5s)')
+    digest = hashlib.sha256(' '.join(md5s.values()).encode()).hexdigest()[:16]
     return dict(train_images=np.concatenate([b[0] for b in train]),
                 train_labels=np.concatenate([b[1] for b in train]),
                 test_images=test[0], test_labels=test[1], provenance=provenance, digest=digest)
 
 
-# =============================================================================================
-# Devices and precision
-# =============================================================================================
+# ==== Devices and precision ====================================================================
 def pick_device(name, local_rank=None):
     """The training device. Under torchrun (local_rank given) each rank takes its own GPU."""
     if name == 'auto':
@@ -749,8 +723,7 @@ def pick_dtype(name, device, channels_last):
 
 
 def probe_run(device, dtype, channels_last):
-    """Two steps of a narrow network on random images: a device or dtype that cannot run every
-    operation of a run raises here, in seconds, before any download."""
+    """Two steps of a narrow network: a device or dtype that cannot run fails here, in seconds."""
     rng, n = np.random.default_rng(0), 128
     images = rng.integers(0, 256, (n, 3, 32, 32), dtype=np.uint8)
     labels = rng.integers(0, NUM_CLASSES, n)
@@ -762,24 +735,20 @@ def probe_run(device, dtype, channels_last):
 
 
 def evaluates_in_tf32(device, dtype):
-    """Whether the EMA's fp32 evaluation may use TF32 (10 mantissa bits, as Page's fp16): on CUDA
-    8.0 or later, training in fp16 or bf16."""
+    """Whether the EMA's fp32 evaluation may use TF32 (fp16's precision): CUDA 8.0+, fp16/bf16."""
     return (device.type == 'cuda' and dtype != torch.float32
             and torch.cuda.get_device_capability(device)[0] >= 8)
 
 
 def fp32_precision(device, dtype):
-    """Choose, and say, how fp32 convolutions and matrix products run on a CUDA GPU: TF32 off for
-    training (its fp32 ones are the folded whitening, whose gradient TF32 would round as fp16
-    does), on for the EMA's evaluation only (in_tf32) when training in fp16 or bf16."""
+    """Set, and say, how a CUDA GPU runs fp32 convolutions and matmuls: TF32 off for training (the
+    folded whitening's gradient would round as in fp16), on for the EMA's evaluation (in_tf32)."""
     if device.type != 'cuda':
         return None  # CPUs and MPS compute fp32 as fp32
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
     # inductor suggests TF32 whenever it compiles an fp32 matmul with TF32 off: here, deliberately
     warnings.filterwarnings('ignore', message='TensorFloat32 tensor cores')
-    if evaluates_in_tf32(device, dtype):
-        return "TF32 for the EMA's evaluation only"
-    return 'TF32 off'
+    return "TF32 for the EMA's evaluation only" if evaluates_in_tf32(device, dtype) else 'TF32 off'
 
 
 def in_tf32(function):
@@ -801,13 +770,10 @@ def speed_settings(args, device):
     return (compiled if args.compile is None else args.compile), device.type != 'mps'
 
 
-# =============================================================================================
-# Compilation: compiled before the warm-up, checked against eager, eager if it fails
-# =============================================================================================
+# ==== Compilation: compiled before the warm-up, checked against eager, eager if it fails =======
 def compiled_warm_up(data, hyp, device, dtype, compiled, channels_last, log):
-    """Build, compile if asked and warm up the networks; returns them and whether compiled. If the
-    compilation fails or disagrees with eager on any rank, one line says so and every rank trains
-    eager (ranks that trained differently would wait for each other's collectives for ever)."""
+    """Build, compile if asked and warm up the networks; returns them and whether compiled. Ranks
+    that split batches all train eager if compilation fails on one (else collectives would hang)."""
     networks = Networks(hyp, device, dtype, compiled, channels_last)
     if compiled:
         rank, _, world = torchrun_ranks()
@@ -821,7 +787,7 @@ def compiled_warm_up(data, hyp, device, dtype, compiled, channels_last, log):
             if any(isinstance(c, (torch.cuda.OutOfMemoryError, dist.DistError)) for c in causes(e)):
                 raise  # eager would fail the same way
             failure = compile_failure_line(e, on_rank)
-        if failed_on_any_rank(failure is not None, device):
+        if sum_over_ranks(torch.tensor(float(failure is not None), device=device))[0]:
             if failure or rank == 0:  # every rank that failed says why, rank 0 for the others
                 print(failure or 'torch.compile failed on another rank (its line says why): every '
                       'rank trains eager instead', flush=True)
@@ -834,9 +800,8 @@ def compiled_warm_up(data, hyp, device, dtype, compiled, channels_last, log):
 
 
 def compile_passes(networks, data, hyp, device):
-    """Compile the training step and the flip-TTA pass at the runs' shapes, and check the step
-    against eager's; returns what disagreed, or None. No collective runs (no_sync), so a rank whose
-    compilation fails leaves no other rank waiting for it."""
+    """Compile the training step and flip-TTA pass at the runs' shapes and check the step against
+    eager's; returns what disagreed, or None. No collective runs (no_sync): no rank waits on it."""
     b = hyp['batch_size'] // rank_and_world()[1]
     images = normalise(data['train_images'][:hyp['whitening_images']], device, torch.float32)
     networks.reinitialise(whitening_filters(images, hyp['whitening_eps']), seed=0)  # a run's first
@@ -855,30 +820,25 @@ def compile_passes(networks, data, hyp, device):
 
 
 def compiled_step_disagreement(networks, x, y, hyp):
-    """None if the compiled step gives eager's loss and gradients on this batch to within the
-    dtype's rounding, else which disagreed and by how much (a compiler that miscomputes would
-    train every run to NaN, silently). Both steps round in different places, so each lies about as
-    far from the exact values (float64; fp32 for fp16 and bf16) as the other: each may differ from
-    eager's by 4 times eager's own relative error, and at least 4 times the median of those
-    (README: the compiled step's check)."""
+    """None if the compiled step's loss and gradients on this batch are eager's to within rounding:
+    4 times eager's distance from exact values (float64; fp32 for fp16 and bf16), at least 4 times
+    their median (README: the compiled step's check); else which disagreed, and by how much."""
     wide = torch.float64 if networks.dtype in (torch.float32, torch.float64) else torch.float32
     exact_on = torch.device('cpu') if x.device.type == 'mps' and wide == torch.float64 else x.device
     exact_net = copy.deepcopy(networks.network).to(exact_on, wide)
 
     def loss_and_gradients(model, loss_function, images):
-        params = [p for p in model.parameters() if p.requires_grad]
-        for p in params:
-            p.grad = None
+        model.zero_grad()  # every .grad to None
         loss = loss_function(model, images, y.to(images.device), hyp['label_smoothing'])[0]
         loss.backward()
-        return [t.detach().cpu().double() for t in [loss, *(p.grad for p in params)]]
+        grads = [p.grad for p in model.parameters() if p.requires_grad]
+        return [t.detach().cpu().double() for t in [loss, *grads]]
 
     names = ['the loss'] + [f"{name}'s gradient" for name, p in networks.network.named_parameters()
                             if p.requires_grad]
     exact = loss_and_gradients(exact_net, summed_loss, x.to(exact_on, wide))
     del exact_net
-    if exact_on.type == 'cuda':
-        torch.cuda.empty_cache()  # the reference's memory back, before the runs
+    torch.cuda.empty_cache()  # the reference's memory back, before the runs (no-op without CUDA)
     eager = loss_and_gradients(networks.parallel, summed_loss, x)
     compiled = loss_and_gradients(networks.parallel, networks.summed_loss, x)
     if not all(torch.isfinite(t).all() for t in eager + exact):
@@ -904,9 +864,8 @@ def causes(error):
 
 
 def compile_failure_line(error, on_rank):
-    """Why a compilation failed, in one line: the innermost exception that says something, and the
-    cache to delete if an interrupted compilation damaged it."""
-    chain = [e for e in causes(error)][:32]
+    """Why a compilation failed, in one line: the innermost message, a damaged cache to delete."""
+    chain = list(causes(error))
     root = next((e for e in reversed(chain) if str(e).strip()), chain[-1])
     reason = f'{type(root).__name__}: {(str(root).strip().splitlines() or [""])[0]}'[:200]
     from torch._inductor.runtime.cache_dir_utils import cache_dir
@@ -915,21 +874,10 @@ def compile_failure_line(error, on_rank):
     return f'torch.compile failed{on_rank} ({reason}): training eager instead{hint}'
 
 
-def failed_on_any_rank(failed, device):
-    """Whether `failed` is true on any rank: one all-reduce of a flag under torchrun."""
-    if not dist.is_initialized():
-        return failed
-    on = device if dist.get_backend() == 'nccl' else 'cpu'  # NCCL reduces CUDA tensors, gloo CPU
-    flag = torch.tensor(float(failed), device=on)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item())
-
-
-# =============================================================================================
-# torchrun: one rank of a process group. Two ways to use the ranks: each batch split over them
-# (data parallel, the default), or whole runs spread over them (--spread runs). The helpers that
-# split a batch do nothing in one process, nor when whole runs are spread.
-# =============================================================================================
+# ==== torchrun: one rank of a process group =====================================================
+# Two ways to use the ranks: each batch split over them (data parallel, the default), or whole runs
+# spread over them (--spread runs). The helpers that split a batch do nothing in one process, nor
+# when whole runs are spread.
 SPLIT_BATCHES = False  # set by join_process_group: are the ranks splitting each batch?
 
 
@@ -957,9 +905,8 @@ def join_process_group(device, split_batches=True):
 
 
 def leave_process_group():
-    """Destroy the process group, and with it gloo's threads, while Python still runs (a thread
-    left to the interpreter's shutdown aborts the process). The caller drops its DDP models first;
-    join_process_group imported torch.distributed.nn before the group, which it would hold."""
+    """Destroy the group, and gloo's threads, while Python runs (a thread left to its shutdown
+    aborts it). Callers drop DDP models first; join_process_group imported torch.distributed.nn."""
     global SPLIT_BATCHES
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -967,16 +914,14 @@ def leave_process_group():
 
 
 def data_parallel(net, device):
-    """net in DistributedDataParallel when the ranks split each batch: it averages the gradients,
-    but must not copy rank 0's batch-norm statistics at every forward (train_epoch averages them;
-    torch >= 2.13 calls that forward_sync_buffers, older torch broadcast_buffers)."""
+    """net in DDP when the ranks split each batch, with forward_sync_buffers (before torch 2.13:
+    broadcast_buffers) off: train_epoch averages the batch-norm statistics instead."""
     if not SPLIT_BATCHES:
         return net
     options = inspect.signature(nn.parallel.DistributedDataParallel).parameters
     no_forward_sync = next(o for o in ('forward_sync_buffers', 'broadcast_buffers') if o in options)
     return nn.parallel.DistributedDataParallel(
         net, device_ids=[device] if device.type == 'cuda' else None, **{no_forward_sync: False})
-
 
 
 @torch.no_grad()
@@ -1005,15 +950,12 @@ def same_on_every_rank(tensor):
     return tensor
 
 
-
 @contextlib.contextmanager
 def signals_held(discard=False):
-    """Defer Ctrl-C (SIGINT) and torchrun's stop (SIGTERM) to the end of the block, so that what it
-    writes is whole; with discard, drop them. Handlers, not a signal mask: the OS may hand the
-    signal to any thread (gloo's too), and Python runs every handler in the main thread."""
-    held = [s for s in (signal.SIGINT, signal.SIGTERM) if signal.getsignal(s) is not None]
-    if threading.current_thread() is not threading.main_thread():
-        held = []  # only the main thread sets handlers; elsewhere the block runs as it is
+    """Defer (with discard: drop) Ctrl-C and torchrun's SIGTERM to the block's end: what it writes
+    is whole. Handlers, not a mask: the OS may signal any thread, Python handles in the main one."""
+    held = [s for s in (signal.SIGINT, signal.SIGTERM) if signal.getsignal(s) is not None
+            and threading.current_thread() is threading.main_thread()]  # only it sets handlers
     caught = []
     before = [signal.signal(s, lambda signum, frame: caught.append(signum)) for s in held]
     try:
@@ -1025,10 +967,7 @@ def signals_held(discard=False):
             signal.raise_signal(caught[0])  # now, to the handler it was meant for
 
 
-
-# =============================================================================================
-# Timing: the device's clock, the warm-up
-# =============================================================================================
+# ==== Timing: the device's clock, the warm-up ==================================================
 def synced_clock(device):
     """The clock, read once the device, and under torchrun every rank, has done its queued work."""
     if device.type == 'cuda':
@@ -1041,16 +980,13 @@ def synced_clock(device):
 
 
 def warm_up(data, networks, hyp):
-    """A throwaway run, so that one-off costs (the CUDA context, cuDNN's search for each shape,
-    first allocations) are not charged to run 1: a run on all the data, cut to 2 training steps and
-    the last two evaluation batches (a full one and the shorter last one: every shape of a run)."""
+    """An untimed run that takes one-off costs (CUDA context, cuDNN's search, first allocations): 2
+    steps and the last 2 evaluation batches (a full one, the shorter last: every shape of a run)."""
     train_run(data, networks, {**hyp, 'epochs': 1}, seed=0, on_epoch=lambda row: None,
               steps_per_epoch=2, test_batches=2)
 
 
-# =============================================================================================
-# Reporting: the Myrtle.ai / DAWNBench table, the header, the summary over runs
-# =============================================================================================
+# ==== Reporting: the Myrtle.ai / DAWNBench table, the header, the summary over runs ============
 COLUMNS = ('epoch', 'lr', 'train time', 'train loss', 'train acc',
            'valid time', 'valid loss', 'valid acc', 'total time')
 
@@ -1065,8 +1001,7 @@ def table_row(row):
 
 
 def header_lines(hyp, data, device, dtype, seed, flops, peak, world, fp32_math=None, spread=False):
-    """What a log says before its first row: the script's version, the software and device, the
-    ranks, the settings, the data's provenance, the model FLOPs of a run."""
+    """What a log says before its first row: version, device, ranks, settings, data, FLOPs."""
     split = world > 1 and not spread
     share = ('each training whole runs' if spread else
              f"{hyp['batch_size'] // world} images each per step")
@@ -1090,8 +1025,7 @@ def header_lines(hyp, data, device, dtype, seed, flops, peak, world, fp32_math=N
 
 
 def summarize(runs, gpu_price=None, count_94=True, flops=None, peak=None, world=1):
-    """Statistics over the finished runs; failed (diverged) runs are counted, not averaged. flops
-    (a run's) gives the TFLOP/s achieved, and with the peak of one of the world devices, the MFU."""
+    """Statistics of the finished runs (failed: counted, not averaged); flops: TFLOP/s and MFU."""
     finished = [r for r in runs if not r['failed']]
     summary = dict(runs=len(runs), finished=len(finished), failed=len(runs) - len(finished))
     if not finished:
@@ -1125,28 +1059,26 @@ def summary_lines(s):
     if not s['finished']:
         return lines + ['no run finished: no statistics']
     if s['finished'] == 1:
-        lines.append(f"accuracy (flip-TTA, EMA): {100 * s['acc_mean']:.2f} % (one run: no standard "
-                     'deviation)')
-        lines.append(f"time of the run: {s['time_mean_s']:.2f} s")
+        lines += [f"accuracy (flip-TTA, EMA): {100 * s['acc_mean']:.2f} % (one run: no standard "
+                  'deviation)', f"time of the run: {s['time_mean_s']:.2f} s"]
         if 'reached_94' in s:
             lines.append(f"reached 94%: {'yes' if s['reached_94'] else 'no'}")
     else:
-        lines.append(f"accuracy (flip-TTA, EMA): mean {100 * s['acc_mean']:.2f} %, "
-                     f"standard deviation {100 * s['acc_std']:.2f} %")
         low, high = s['acc_ci95']
         interval = (f'[{100 * low:.2f}, {100 * high:.2f}] %' if 0 <= low and high <= 1 else
                     f"too few runs ({s['finished']}) for one: it would reach beyond 0-100 %")
-        lines.append(f'95% confidence interval of the mean: {interval}')
         reached = (f";  runs >= 94%: {s['reached_94']} of {s['finished']}" if 'reached_94' in s
                    else '')
-        lines.append(f"min / median / max: {100 * s['acc_min']:.2f} / {100 * s['acc_median']:.2f} "
-                     f"/ {100 * s['acc_max']:.2f} %{reached}")
-        lines.append(f"time per run: mean {s['time_mean_s']:.2f} s, median "
-                     f"{s['time_median_s']:.2f} s, max {s['time_max_s']:.2f} s")
+        lines += [f"accuracy (flip-TTA, EMA): mean {100 * s['acc_mean']:.2f} %, "
+                  f"standard deviation {100 * s['acc_std']:.2f} %",
+                  f'95% confidence interval of the mean: {interval}',
+                  f"min / median / max: {100 * s['acc_min']:.2f} / {100 * s['acc_median']:.2f} / "
+                  f"{100 * s['acc_max']:.2f} %{reached}",
+                  f"time per run: mean {s['time_mean_s']:.2f} s, median "
+                  f"{s['time_median_s']:.2f} s, max {s['time_max_s']:.2f} s"]
     if 'runs_per_hour' in s:
         ranks = f" over {s['ranks']} ranks" if s['ranks'] > 1 else ''
-        trained = s['runs'] - s.get('read_back', 0)
-        lines.append(f"job: {trained} run{'s' * (trained != 1)} in {s['wall_s']:.1f} s of "
+        lines.append(f"job: {ran} run{'s' * (ran != 1)} in {s['wall_s']:.1f} s of "
                      f"wall time after the warm-up{ranks}, {s['runs_per_hour']:.0f} runs an hour")
     if 'cost_per_run_usd' in s:
         lines.append(f"cost per run: ${s['cost_per_run_usd']:.5f}")
@@ -1181,8 +1113,7 @@ def script_hash():
 
 
 def count_flops(hyp, n_train, n_test):
-    """Model FLOPs of a run as torch.utils.flop_counter counts them, on the meta device (nothing is
-    computed): a training step, the whitening's patch moment, an evaluation pass (flip-TTA)."""
+    """A run's model FLOPs, counted by torch on the meta device: step, whitening, evaluation."""
     from torch.utils.flop_counter import FlopCounterMode
 
     def flops(work):
@@ -1240,14 +1171,11 @@ def peak_tflops(device, dtype, given=None):
                 None)
 
 
-# =============================================================================================
-# Statistics: the t distribution, Welch's comparison, the runs a comparison needs
-# =============================================================================================
+# ==== Statistics: the t distribution, Welch's comparison, the runs a comparison needs ==========
 def t_cdf(t, df):
-    """P(T <= t) for Student's t with df >= 1. With t = sqrt(df) tan(u) the density is cos(u)^(df-1)
-    / B(df/2, 1/2), so the tail beyond |t| is its integral from atan(|t| / sqrt(df)): by Simpson's
-    rule, over 40 / sqrt(df) at most (the rest is below e^-800 of it), to 2e-6 of the tails above
-    1e-12 for df 2 to 1e5, 1e-4 below 2 (where the integrand's slope is infinite at pi/2)."""
+    """P(T <= t), Student's t, df >= 1: with t = sqrt(df) tan(u), the tail is the integral of
+    cos(u)^(df-1) / B(df/2, 1/2) from atan(|t| / sqrt(df)), by Simpson's rule over 40 / sqrt(df) at
+    most (the rest is below e^-800 of it): to 2e-6 for df 2 to 1e5, 1e-4 below 2."""
     start = math.atan(abs(t) / math.sqrt(df))
     u, h = np.linspace(start, min(math.pi / 2, start + 40 / math.sqrt(df)), 2001, retstep=True)
     f = np.cos(u) ** (df - 1)
@@ -1266,8 +1194,7 @@ def t_quantile(p, df):
 
 
 def welch(a, b):
-    """Welch's comparison of two samples' means: b - a, its standard error, degrees of freedom,
-    95 % confidence interval and two-sided p-value."""
+    """Welch's test of b's mean against a's: diff, se, df, 95 % interval, two-sided p-value."""
     va, vb = np.var(a, ddof=1) / len(a), np.var(b, ddof=1) / len(b)
     diff, se = float(np.mean(b) - np.mean(a)), math.sqrt(va + vb)
     if se == 0:
@@ -1295,12 +1222,9 @@ def runs_for_power(diff, std_a, std_b, power=0.8, most=100_000):
     return high
 
 
-# =============================================================================================
-# Job files: written after every run, read back by --resume, compared by --compare
-# =============================================================================================
+# ==== Job files: written after every run, read back by --resume, compared by --compare =========
 def write_atomically(path, data, flag):
-    """Write bytes through a temporary file beside path, so that a write cut short (a full disk, a
-    kill) leaves path as it was; a failure is a UserError naming the option."""
+    """Write bytes via a temporary file beside path: a write cut short leaves path as it was."""
     path = Path(path)
     tmp = path.with_name(f'.{path.name}.{os.getpid()}.part')
     try:
@@ -1321,32 +1245,9 @@ def json_ready(x):
     return None if isinstance(x, float) and not math.isfinite(x) else x
 
 
-def write_results(args, context, runs, summary, hyp, ema=None, ema_run=None, job_file=True):
-    """Write --json (if job_file), --log-tsv and --save (ema, the EMA model of run ema_run), each
-    atomically, after every run: a crash at run 37 keeps runs 1-36."""
-    if args.json and job_file:
-        job = dict(context, runs_finished=len(runs), runs_requested=args.runs, runs=runs,
-                   summary=summary)
-        write_atomically(args.json, job_file_text(job).encode(), '--json')
-    if args.log_tsv:
-        lines = ['epoch\thours\ttop1Accuracy'] + [
-            f"{row['epoch']}\t{row['total_time'] / 3600:.6f}\t{100 * row['valid_acc']:.2f}"
-            for run in runs for row in run['rows']]
-        write_atomically(args.log_tsv, ('\n'.join(lines) + '\n').encode(), '--log-tsv')
-    if args.save and ema is not None:
-        # what it takes to rebuild and evaluate the model, data aside (README: Use a saved model)
-        checkpoint = dict(state_dict={k: v.cpu() for k, v in ema.state_dict().items()},
-                          hyperparameters=hyp, classes=CLASSES, mean=CIFAR10_MEAN, std=CIFAR10_STD,
-                          run=ema_run['run'], seed=ema_run['seed'], accuracy=ema_run['accuracy'])
-        buffer = io.BytesIO()  # in memory first: torch.save's failures on a full disk are odd
-        torch.save(checkpoint, buffer)
-        write_atomically(args.save, buffer.getvalue(), '--save')
-
-
-JOB_FORMAT = 'train_cifar10.py job, format 2'  # format 1: the files of versions before 2026-11-24
-# A job's identity: what --resume refuses to mix, and what --compare shows where two jobs differ.
-# Every setting that can change a run's numbers is one (on a CPU the device names the kernels and
-# the threads); compile is the one asked for, and each run records whether it trained compiled.
+JOB_FORMAT = 'train_cifar10.py job, format 2'
+# A job's identity, which --resume refuses to mix and --compare shows: every setting that can change
+# a run's numbers (a CPU's device names its kernels and threads; compile: the one asked for).
 DATA_KEYS = ('data', 'data_digest', 'test_images')
 JOB_KEYS = ('script_sha256', 'torch', 'device', 'ranks', 'dtype', 'fp32_math', 'compile',
             'channels_last', 'hyperparameters', 'seed', 'train_images', *DATA_KEYS)
@@ -1357,24 +1258,20 @@ def job_sha256(job):
 
 
 def job_file_text(job):
-    """A job as its file's JSON, with the sha256 of its content: the script is the file's only
-    writer, so one checksum vouches for every field, and an edited or damaged file is refused."""
+    """A job as its file's JSON, with the sha256 of its content, which vouches for every field."""
     job = {'format': JOB_FORMAT, **json_ready(job)}
     return json.dumps({**job, 'sha256': job_sha256(job)}, indent=1, allow_nan=False)
 
 
 def read_job(path, option):
-    """The --json file of a job of this version of the script; anything else is a one-line
-    UserError, and the file is left as it is. A diverged run's NaNs read as null."""
+    """The --json file of a job of this script's version, else a one-line UserError; NaN as null."""
     path = Path(path)
     try:
         job = json.loads(path.read_text())
     except FileNotFoundError:
         start = ' (a new job starts with --json)' if option == '--resume' else ''
         raise UserError(f'{option} {path}: no such file{start}') from None
-    except IsADirectoryError:
-        raise UserError(f'{option} {path} is a folder: give the --json file of a job') from None
-    except (OSError, ValueError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+    except (OSError, ValueError) as e:  # a folder; UnicodeDecodeError and JSONDecodeError
         raise UserError(f'{option} {path} cannot be read as JSON ({e}): not a --json file, or cut '
                         'short; left as it is') from None
     if not isinstance(job, dict) or 'script_sha256' not in job:
@@ -1389,16 +1286,14 @@ def read_job(path, option):
 
 
 def rank_files(path):
-    """The job files (.NAME.rankR, beside NAME) in which the ranks of a --spread runs job but rank 0
-    leave their finished runs for it; rank 0 removes them at the end."""
+    """Files .NAME.rankR beside NAME, where a spread job's ranks but 0 leave runs for rank 0."""
     path = Path(path)
     pattern = re.escape(f'.{path.name}.rank') + r'\d+'
     return sorted(p for p in path.parent.iterdir() if re.fullmatch(pattern, p.name))
 
 
 def check_new_job_file(path):
-    """A new job's --json file must not exist (what it holds may be hours of runs), nor the files
-    its spread job's ranks left beside it."""
+    """Refuse a new job's --json that exists (hours of runs, maybe) or has rank files beside it."""
     if not Path(path).exists():
         left = rank_files(path)
         if left:
@@ -1423,33 +1318,27 @@ def hold_job_file(path):
         import fcntl
     except ImportError:
         return None
-    lock_path = Path(path).with_name(f'.{Path(path).name}.lock')
-    while True:
-        lock = open(lock_path, 'a+')
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            lock.seek(0)
-            holder = lock.read().strip() or 'unknown'
-            lock.close()
-            if e.errno in (errno.EAGAIN, errno.EACCES):
-                raise UserError(f'{path} is the file of a job that another process (id {holder}) '
-                                'is running: wait for it to end, or give another path') from None
-            print(f'note: {path} cannot be locked here ({e.strerror}): nothing stops a second job '
-                  'from writing it too', file=sys.stderr)
-            return None
-        if lock_path.exists() and lock_path.stat().st_ino == os.fstat(lock.fileno()).st_ino:
-            break
-        lock.close()  # its last holder removed it while we opened it: take the new one
-    lock.seek(0)
-    lock.truncate()
+    lock = open(Path(path).with_name(f'.{Path(path).name}.lock'), 'a+')
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        lock.seek(0)
+        holder = lock.read().strip() or 'unknown'
+        lock.close()
+        if e.errno in (errno.EAGAIN, errno.EACCES):
+            raise UserError(f'{path} is the file of a job that another process (id {holder}) '
+                            'is running: wait for it to end, or give another path') from None
+        print(f'note: {path} cannot be locked here ({e.strerror}): nothing stops a second job '
+              'from writing it too', file=sys.stderr)
+        return None
+    lock.truncate(0)
     lock.write(f'{os.getpid()}\n')
     lock.flush()
     return lock
 
 
 def release_job_file(lock):
-    """Remove the lock file, then let go of it: a job that opened it meanwhile sees it gone."""
+    """Remove the lock file, then let go of it."""
     if lock:
         Path(lock.name).unlink(missing_ok=True)
         lock.close()
@@ -1473,8 +1362,7 @@ def job_differences(a, b, keys=JOB_KEYS):
 
 
 def resumed_runs(job, path, context, runs_requested):
-    """The runs of the job read from path, which must be this job (the same settings, kind of
-    device, data and ranks), with no run beyond runs_requested."""
+    """The runs of job (read from path) if it is this job, with no run beyond runs_requested."""
     differences = job_differences(job, context)
     if differences:
         tiny = {k: v for k, v in json_ready(TINY).items() if k != 'epochs'}
@@ -1512,18 +1400,6 @@ def missing_runs(runs, runs_requested):
     return [n for n in range(1, runs_requested + 1) if n not in done]
 
 
-def read_back_lines(runs, path, runs_requested):
-    """What --resume prints of the runs it read back: which they are, then their tables."""
-    missing = missing_runs(runs, runs_requested)
-    to_run = (f'{spans(missing)} to run now' if missing else
-              'every run has finished: nothing to train')
-    done = spans([r['run'] for r in runs])
-    lines = [f'\n--resume {path}: {done} read back, tables below; {to_run}']
-    for run in runs:
-        lines += run_table_lines(run, runs_requested, f', read back from {path}')
-    return lines
-
-
 def run_table_lines(run, runs_requested, source=''):
     """A finished run's table: its title, the columns, a row per epoch, and FAILED if it failed."""
     rows = [{k: math.nan if v is None else v for k, v in row.items()} for row in run['rows']]
@@ -1535,8 +1411,7 @@ def run_table_lines(run, runs_requested, source=''):
 
 
 def compare_lines(path_a, path_b):
-    """--compare's report: each job's accuracies, B - A with Welch's interval and p-value, and the
-    runs a side that would resolve a difference of that size."""
+    """--compare's report: each side's accuracies, B - A by Welch's t, the runs a side it needs."""
     a, b = read_job(path_a, '--compare'), read_job(path_b, '--compare')
     for key in DATA_KEYS:
         if a[key] != b[key]:
@@ -1575,24 +1450,19 @@ def compare_lines(path_a, path_b):
     verdict = ('the interval holds 0: no difference shown at the 5 % level' if low <= 0 <= high else
                f"B is {'higher' if w['diff'] > 0 else 'lower'} than A at the 5 % level")
     n = runs_for_power(w['diff'], acc['A'].std(ddof=1), acc['B'].std(ddof=1))
-    if w['diff'] == 0:
-        need = 'the means are equal: there is no difference to resolve'
-    else:
-        need = ((f'{n} runs a side' if n else 'more than 100,000 runs a side') +
-                f" would find a true difference of {100 * abs(w['diff']):.3f} points 80 % of the "
-                'time at the 5 % level')
+    need = ('the means are equal: there is no difference to resolve' if w['diff'] == 0 else
+            (f'{n} runs a side' if n else 'more than 100,000 runs a side') +
+            f" would find a true difference of {100 * abs(w['diff']):.3f} points 80 % of the time "
+            'at the 5 % level')
     return lines + [verdict, need]
 
 
-# =============================================================================================
-# The command line, and main
-# =============================================================================================
+# ==== The command line, and main ===============================================================
 # --tiny: the same code path on a subset with a narrow network, so that a 2-core CPU finishes in
 # seconds and still learns well above chance. Its 184 steps are too few for an EMA at 0.99 (a
 # horizon of ~100 steps), hence 0.9; 250 test images a batch fit a CPU's caches better than 1000.
 TINY = dict(epochs=4, batch_size=64, train_images=3000, test_images=500, channels=(8, 16, 32, 64),
             ema_momentum=0.9, whitening_images=3000, eval_batch_size=250)
-
 
 
 def parse_args(argv):
@@ -1718,8 +1588,7 @@ def prepare_data(args, hyp, local_rank, world):
 
 
 class Job:
-    """One command's runs, the files written after each, and what they need (device, data). main
-    drives it: set_up, train, finish."""
+    """One command's runs and the files written after each; main calls set_up, train, finish."""
 
     def __init__(self, args):
         self.args = args
@@ -1734,8 +1603,7 @@ class Job:
         self.context = self.kept_at = None
 
     def set_up(self):
-        """Check the options, choose the device and dtype, load the data, read back a resumed job:
-        all that can be wrong is raised here as a UserError, before any training."""
+        """Options, device, dtype, data, a resumed job: all that is refused, before training."""
         args, hyp = self.args, self.hyp
         check_options(args, hyp, self.batch_ranks)
         if args.spread == 'runs' and self.world == 1:
@@ -1797,16 +1665,20 @@ class Job:
             dist.barrier()  # ... nor before every rank has read them
 
     def train(self):
-        """Print the header and the runs read back, warm up (compiling first), then train the
-        missing runs, or with --spread runs this rank's share (every world-th from rank + 1)."""
+        """Print the header and runs read back, warm up, train missing runs (spread: its share)."""
         args, hyp, log = self.args, self.hyp, self.log
         if self.device.type == 'cuda':
             torch.backends.cudnn.benchmark = True  # fixed shapes: cuDNN picks the fastest kernels
         log('\n'.join(header_lines(hyp, self.data, self.device, self.dtype, args.seed, self.flops,
                                    self.peak, self.world, self.fp32_math, self.spread)))
-        if self.runs:
-            log('\n'.join(read_back_lines(self.runs, args.resume, args.runs)))
         missing = missing_runs(self.runs, args.runs)
+        if self.runs:  # read back: which they are, then their tables
+            to_run = (f'{spans(missing)} to run now' if missing else
+                      'every run has finished: nothing to train')
+            done = spans([r['run'] for r in self.runs])
+            log(f'\n--resume {args.resume}: {done} read back, tables below; {to_run}')
+            for run in self.runs:
+                log('\n'.join(run_table_lines(run, args.runs, f', read back from {args.resume}')))
         if missing:
             log(f"\n{'compilation, then ' if self.compiled else ''}warm-up: an untimed run of 2 "
                 'steps and 2 evaluation batches takes the one-off costs', flush=True)
@@ -1824,7 +1696,6 @@ class Job:
             for path in rank_files(args.json) if args.json else []:
                 path.unlink()  # every run in it is in --json
 
-
     def collect(self):
         """Rank 0 of a spread job: take in the runs the other ranks have left in their files."""
         known = {run['run'] for run in self.runs}
@@ -1835,8 +1706,7 @@ class Job:
         return len(arrived)
 
     def train_one(self, run):
-        """Train run number `run` (seed: the first seed + run - 1) and keep it. Its table prints as
-        it trains; with --spread runs, whole, in run order, from rank 0."""
+        """Train run `run` (seed: first seed + run - 1) and keep it; its rows print as it trains."""
         args, hyp, seed = self.args, self.hyp, self.args.seed + run - 1
         if not self.spread:
             self.log(f'\nrun {run}/{args.runs} (seed {seed})\n{table_line(COLUMNS)}', flush=True)
@@ -1861,8 +1731,7 @@ class Job:
             self.take_in([record], None if failed else self.networks.ema)
 
     def take_in(self, records, ema=None):
-        """Keep finished runs, print the tables now due and write the files, Ctrl-C held meanwhile;
-        ema, the model of the run just trained, goes to --save."""
+        """Keep finished runs, write the files (ema: to --save), print tables due, Ctrl-C held."""
         with signals_held():
             self.runs = sorted(self.runs + records, key=lambda r: r['run'])
             self.kept_at = time.perf_counter()
@@ -1871,19 +1740,35 @@ class Job:
             self.print_due()
 
     def write(self, ema=None, ema_run=None, job_file=True):
-        """Write the files of the runs kept; a failure stops the job with one line."""
+        """Write --json (if job_file), --log-tsv and --save (ema: run ema_run's EMA model), each
+        atomically, after every run (a crash at run 37 keeps 1-36); a failure stops the job."""
+        args, runs = self.args, self.runs
         try:
-            write_results(self.args, self.context, self.runs, self.summary(), self.hyp, ema,
-                          ema_run, job_file)
+            if args.json and job_file:
+                job = dict(self.context, runs_finished=len(runs), runs_requested=args.runs,
+                           runs=runs, summary=self.summary())
+                write_atomically(args.json, job_file_text(job).encode(), '--json')
+            if args.log_tsv:
+                lines = ['epoch\thours\ttop1Accuracy'] + [
+                    f"{row['epoch']}\t{row['total_time'] / 3600:.6f}\t{100 * row['valid_acc']:.2f}"
+                    for run in runs for row in run['rows']]
+                write_atomically(args.log_tsv, ('\n'.join(lines) + '\n').encode(), '--log-tsv')
+            if args.save and ema is not None:  # what it takes to rebuild and evaluate the model
+                checkpoint = dict(state_dict={k: v.cpu() for k, v in ema.state_dict().items()},
+                                  hyperparameters=self.hyp, classes=CLASSES, mean=CIFAR10_MEAN,
+                                  std=CIFAR10_STD, run=ema_run['run'], seed=ema_run['seed'],
+                                  accuracy=ema_run['accuracy'])
+                buffer = io.BytesIO()  # in memory first: torch.save fails oddly on a full disk
+                torch.save(checkpoint, buffer)
+                write_atomically(args.save, buffer.getvalue(), '--save')
         except UserError as e:
-            json = self.args.json and Path(self.args.json).exists()
-            rest = (f'--resume {self.args.json} trains the runs it lacks' if json else
+            json = args.json and Path(args.json).exists()
+            rest = (f'--resume {args.json} trains the runs it lacks' if json else
                     'run the same command again')
             raise UserError(f'{e}: the job stopped; fix that, then {rest}') from None
 
     def print_due(self, all_finished=False):
-        """Print, in run order, the tables of the finished runs whose turn has come (all_finished:
-        past a missing run too): a spread job's whole, others' FAILED line only."""
+        """In run order (all_finished: past gaps), print spread runs' tables, others' FAILED."""
         done = {r['run']: r for r in self.runs}
         while self.unprinted and (self.unprinted[0] in done or all_finished):
             record = done.get(self.unprinted.pop(0))
@@ -1893,8 +1778,7 @@ class Job:
                 self.log(run_table_lines(record, self.args.runs)[-1])  # its rows are printed
 
     def summary(self):
-        """The summary of the finished runs, with those read back, the throughput, on CUDA the peak
-        GPU memory."""
+        """The summary of the runs kept (read back too), the throughput, on CUDA the peak memory."""
         args = self.args
         summary = summarize(self.runs, args.gpu_price, count_94=not args.tiny,
                             flops=self.flops['run'], peak=self.peak, world=self.batch_ranks)
@@ -1917,8 +1801,7 @@ class Job:
         self.log(f'\ninterrupted{finished}')
 
     def finish(self):
-        """Print the summary; the exit status: 130 if interrupted (the shell's for Ctrl-C), 1 if a
-        run failed or is missing, else 0 (a spread job's other ranks: 0 once runs are sent)."""
+        """Print the summary; exit status 130 if interrupted, 1 if a run failed or is missing."""
         if self.runs:
             self.log('\n' + '\n'.join(summary_lines(self.summary())))
         if self.spread and self.rank != 0:
@@ -1928,32 +1811,25 @@ class Job:
         return 1 if len(self.runs) < self.args.runs or any(r['failed'] for r in self.runs) else 0
 
 
-def compare(paths, argv):
-    """--compare A B: print the comparison of two jobs; returns the exit status."""
-    try:
-        beside = [a.split('=')[0] for a in argv if a.startswith('-') and a != '--compare']
-        if beside:
-            raise UserError(f"--compare trains nothing: {', '.join(beside)} would not be used")
-        print('\n'.join(compare_lines(*paths)))
-        return 0
-    except UserError as e:
-        print(f'error: {e}', file=sys.stderr)
-        return 1
-
-
 def main(argv=None):
-    """Train --runs models, print the tables and the summary; returns the exit status. Under
-    torchrun, one rank of a process group; only rank 0 prints and writes files. Ctrl-C at any
-    stage ends it cleanly: status 130, the summary of the finished runs, no traceback (after the
-    last run, it is ignored)."""
+    """Train --runs models, print the tables and the summary; returns the exit status. Only rank 0
+    prints and writes files. Ctrl-C: status 130, the finished runs' summary, no traceback."""
     if argv is None:
         argv = [] if in_notebook_cell() else sys.argv[1:]
     try:
         args = parse_args(argv)
     except SystemExit as e:  # a usage error (2) or --help (0): a status, also in a notebook
         return e.code
-    if args.compare:
-        return compare(args.compare, argv)
+    if args.compare:  # trains nothing: print the comparison of two jobs
+        try:
+            beside = [a.split('=')[0] for a in argv if a.startswith('-') and a != '--compare']
+            if beside:
+                raise UserError(f"--compare trains nothing: {', '.join(beside)} would not be used")
+            print('\n'.join(compare_lines(*args.compare)))
+            return 0
+        except UserError as e:
+            print(f'error: {e}', file=sys.stderr)
+            return 1
     job, error = Job(args), False
     try:
         job.set_up()
