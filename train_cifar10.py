@@ -11,9 +11,9 @@ The final recipe of David Page's "How to train your ResNet" (Myrtle.ai, 2018-19)
 test accuracy in 10 epochs (26 s on one V100): a ResNet9 whose first layer is a fixed whitening of
 3x3 patches, ghost batch norm, CELU, half precision with batch norm in fp32, label smoothing,
 Nesterov SGD on a piecewise-linear schedule, an EMA of the weights, flip test-time augmentation.
-Read top to bottom: the hyperparameters, the recipe in the order a run uses it, then the harness
-below a banner, whose rank helpers that the recipe calls (rank_and_world, data_parallel,
-*_over_ranks, same_on_every_rank) do nothing in one process.
+Read top to bottom: the hyperparameters, the recipe in a run's order, then below a banner the
+harness; its rank helpers that the recipe calls (rank_and_world, data_parallel, *_over_ranks,
+same_on_every_rank) do nothing in one process.
 
 Evidence (README.md): no GPU has timed this version yet. On 2 CPU cores one 10-epoch run
 (run_log.txt) reached 90.82 % on a JPEG stand-in for CIFAR-10; a step took 7.1 s, Page's 9.8 s.
@@ -64,8 +64,7 @@ HYP = dict(
     eval_batch_size=1000,    # any size gives the same results up to rounding; 1000 divides 10,000
 )
 
-# ==== 1. Preprocessing and augmentation, on the training device, over whole batches =============
-# The recipe, in the order a run uses it, from CIFAR-10's uint8 images (load_cifar10 reads them).
+# ==== 1. Preprocessing and augmentation of the uint8 images, on the device, over whole batches ==
 NUM_CLASSES = 10
 # Page's per-channel statistics of the CIFAR-10 training set, on the 0-255 scale.
 CIFAR10_MEAN = (125.31, 122.95, 113.87)
@@ -1175,7 +1174,8 @@ def peak_tflops(device, dtype, given=None):
 def t_cdf(t, df):
     """P(T <= t), Student's t, df >= 1: with t = sqrt(df) tan(u), the tail is the integral of
     cos(u)^(df-1) / B(df/2, 1/2) from atan(|t| / sqrt(df)), by Simpson's rule over 40 / sqrt(df) at
-    most (the rest is below e^-800 of it): to 2e-6 for df 2 to 1e5, 1e-4 below 2."""
+    most (the rest is below e^-800 of it): to 2e-6 of tails above 1e-12 for df 2 to 1e5 (1e-4 for
+    df below 2, where the integrand's slope is infinite at pi/2)."""
     start = math.atan(abs(t) / math.sqrt(df))
     u, h = np.linspace(start, min(math.pi / 2, start + 40 / math.sqrt(df)), 2001, retstep=True)
     f = np.cos(u) ** (df - 1)
@@ -1318,27 +1318,33 @@ def hold_job_file(path):
         import fcntl
     except ImportError:
         return None
-    lock = open(Path(path).with_name(f'.{Path(path).name}.lock'), 'a+')
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as e:
-        lock.seek(0)
-        holder = lock.read().strip() or 'unknown'
-        lock.close()
-        if e.errno in (errno.EAGAIN, errno.EACCES):
-            raise UserError(f'{path} is the file of a job that another process (id {holder}) '
-                            'is running: wait for it to end, or give another path') from None
-        print(f'note: {path} cannot be locked here ({e.strerror}): nothing stops a second job '
-              'from writing it too', file=sys.stderr)
-        return None
-    lock.truncate(0)
+    lock_path = Path(path).with_name(f'.{Path(path).name}.lock')
+    while True:
+        lock = open(lock_path, 'a+')
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            lock.seek(0)
+            holder = lock.read().strip() or 'unknown'
+            lock.close()
+            if e.errno in (errno.EAGAIN, errno.EACCES):
+                raise UserError(f'{path} is the file of a job that another process (id {holder}) '
+                                'is running: wait for it to end, or give another path') from None
+            print(f'note: {path} cannot be locked here ({e.strerror}): nothing stops a second job '
+                  'from writing it too', file=sys.stderr)
+            return None
+        if lock_path.exists() and lock_path.stat().st_ino == os.fstat(lock.fileno()).st_ino:
+            break
+        lock.close()  # its last holder removed it while we opened it: take the new one
+    lock.seek(0)
+    lock.truncate()
     lock.write(f'{os.getpid()}\n')
     lock.flush()
     return lock
 
 
 def release_job_file(lock):
-    """Remove the lock file, then let go of it."""
+    """Remove the lock file, then let go of it: a job that opened it meanwhile sees it gone."""
     if lock:
         Path(lock.name).unlink(missing_ok=True)
         lock.close()
@@ -1706,7 +1712,8 @@ class Job:
         return len(arrived)
 
     def train_one(self, run):
-        """Train run `run` (seed: first seed + run - 1) and keep it; its rows print as it trains."""
+        """Train run `run` (seed: first seed + run - 1) and keep it; its rows print as it trains
+        (with --spread runs, rank 0 prints whole tables, in run order)."""
         args, hyp, seed = self.args, self.hyp, self.args.seed + run - 1
         if not self.spread:
             self.log(f'\nrun {run}/{args.runs} (seed {seed})\n{table_line(COLUMNS)}', flush=True)
