@@ -59,8 +59,8 @@ HYP = dict(
     whitening_eps=1e-2,      # ... each filter divided by sqrt(eigenvalue + eps)
     pad=4,                   # Page: reflect-pad by 4, then take a random 32x32 crop
     cutout=0,                # side of a zeroed square; 0 in the 10-epoch recipe, Page used 8 later
-    augment_options=200,     # Page's loader: each epoch at most 200 crop positions (and as many
-                             # cutout ones), each for an equal share of the images; half flipped
+    augment_options=200,     # Page's loader: each epoch at most 200 crop positions (81 at pad 4)
+                             # and cutout corners, each for an equal share of images; half flipped
     eval_batch_size=1000,    # any size gives the same results up to rounding; 1000 divides 10,000
 )
 
@@ -298,7 +298,8 @@ def piecewise_linear(x, knots, values):
 
 def lr_knots(hyp):
     """Page's schedule in epochs: 0 -> peak at epochs/5 -> floor from epochs - floor_epochs on.
-    Runs too short for that (2.5 epochs or less) reach the floor halfway from peak to end."""
+    Runs too short for that (2.5 epochs or less, at 2 floor epochs) reach the floor halfway from
+    peak to end."""
     epochs = hyp['epochs']
     peak, floor = epochs / 5, epochs - hyp['floor_epochs']
     if floor <= peak:
