@@ -761,7 +761,7 @@ def test_help_gives_examples_and_no_empty_defaults(capsys, monkeypatch):
     assert T.main(['--help']) == 0
     out = capsys.readouterr().out
     assert '(default: None)' not in out and '(default: False)' not in out
-    assert '(default: 512)' in out and '(default: 0)' in out       # a written default, a default of 0
+    assert '(default: 512, --tiny 64)' in out and '(default: 0)' in out   # a written default, a default of 0
     assert 'examples:' in out and '--resume a.json' in out and '--compare a.json b.json' in out
     assert 'holds its floor for the last 2' in out
     monkeypatch.setattr(T, '__doc__', None)                         # python -OO strips docstrings

@@ -37,8 +37,8 @@ except KeyboardInterrupt:
 # The loss is summed over the batch and each step uses lr = schedule(epoch) / batch_size, so the
 # schedule is the learning rate applied to the mean gradient and does not change with the batch
 # size; weight decay is multiplied by batch_size so that the decay per step (lr x wd) does not
-# either. The command line overrides epochs, batch_size and cutout, --tiny a few more (TINY,
-# below the banner); everything else is here.
+# either. The command line overrides epochs, batch_size and cutout (HYP_OPTIONS), --tiny a few
+# more (TINY; both below the banner); everything else is here.
 HYP = dict(
     epochs=10,               # Page: 94.1% mean with flip-TTA after 10 epochs (26 s on a V100)
     batch_size=512,          # Page; the last partial batch is dropped: 97 steps per epoch
@@ -1470,6 +1470,9 @@ def compare_lines(path_a, path_b):
 # horizon of ~100 steps), hence 0.9; 250 test images a batch fit a CPU's caches better than 1000.
 TINY = dict(epochs=4, batch_size=64, train_images=3000, test_images=500, channels=(8, 16, 32, 64),
             ema_momentum=0.9, whitening_images=3000, eval_batch_size=250)
+# The hyperparameters the command line sets. Their options default to None, so that one left out
+# keeps HYP's value, or TINY's with --tiny.
+HYP_OPTIONS = ('epochs', 'batch_size', 'cutout')
 
 
 def parse_args(argv):
@@ -1478,13 +1481,13 @@ def parse_args(argv):
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=f'examples:\n{doc[1]}\n\nREADME.md says more.')
     add, default = p.add_argument, ' (default: %(default)s)'
-    add('--epochs', type=int, default=HYP['epochs'],
+    add('--epochs', type=int,
         help='training epochs; the lr peaks at a fifth of them and holds its floor for the last '
-             f"{HYP['floor_epochs']}{default}")
+             f"{HYP['floor_epochs']} (default: {HYP['epochs']}, --tiny {TINY['epochs']})")
     add('--runs', type=int, default=1, help='independent runs (seeds seed, seed+1, ...)' + default)
-    add('--batch-size', type=int, default=HYP['batch_size'],
-        help=f"images per step, a multiple of {HYP['bn_split_size']} (the ghost batch norm's split)"
-             + default)
+    add('--batch-size', type=int,
+        help=f"images per step, a multiple of {HYP['bn_split_size']} (the ghost batch norm's "
+             f"split) (default: {HYP['batch_size']}, --tiny {TINY['batch_size']})")
     add('--data-dir', default='./data',
         help=f'holds {BATCHES_DIR}/ (or is that folder), downloaded if missing' + default)
     add('--data-url', default=os.environ.get('CIFAR10_URL') or CIFAR10_URL,
@@ -1495,8 +1498,8 @@ def parse_args(argv):
     add('--dtype', default='auto', choices=['auto', 'fp16', 'bf16', 'fp32'],
         help='precision of everything but batch norm; auto: fp16 on cuda, fp32 elsewhere' + default)
     add('--seed', type=int, default=0, help='seed of the first run' + default)
-    add('--cutout', type=int, default=HYP['cutout'],
-        help='side of the cutout square; 0 for none' + default)
+    add('--cutout', type=int,
+        help=f"side of the cutout square; 0 for none (default: {HYP['cutout']})")
     add('--tiny', action='store_true',
         help=f"{TINY['train_images']} training and {TINY['test_images']} test images, channels "
              f"{TINY['channels']}, {TINY['epochs']} epochs at batch {TINY['batch_size']}: an "
@@ -1521,11 +1524,7 @@ def parse_args(argv):
              'whole runs of its own (a job of many runs on many GPUs)' + default)
     add('--peak-tflops', type=float, metavar='TFLOPS',
         help="the device's peak, for the model-FLOP utilisation (known GPUs are in PEAK_TFLOPS)")
-    args = p.parse_args(argv)
-    if args.tiny:  # tiny changes the defaults; explicit options still win
-        p.set_defaults(epochs=TINY['epochs'], batch_size=TINY['batch_size'])
-        args = p.parse_args(argv)
-    return args
+    return p.parse_args(argv)
 
 
 def in_notebook_cell():
@@ -1537,7 +1536,7 @@ def check_options(args, hyp, world):
     """Refuse, before any work, the options that cannot make a sensible run."""
     price, peak = args.gpu_price, args.peak_tflops
     for flag, value, sensible, must in (
-            ('--epochs', args.epochs, args.epochs >= 1, 'be at least 1'),
+            ('--epochs', hyp['epochs'], hyp['epochs'] >= 1, 'be at least 1'),
             ('--runs', args.runs, args.runs >= 1, 'be at least 1'),
             ('--cutout', hyp['cutout'], 0 <= hyp['cutout'] <= 32, 'be between 0 and 32 pixels'),
             ('--gpu-price', price, price is None or price >= 0, 'not be negative'),
@@ -1599,8 +1598,9 @@ class Job:
 
     def __init__(self, args):
         self.args = args
+        given = {name: getattr(args, name) for name in HYP_OPTIONS}
         self.hyp = {**HYP, **(TINY if args.tiny else {}),
-                    'epochs': args.epochs, 'batch_size': args.batch_size, 'cutout': args.cutout}
+                    **{name: value for name, value in given.items() if value is not None}}
         self.rank, self.local_rank, self.world = torchrun_ranks()
         self.spread = args.spread == 'runs' and self.world > 1
         self.batch_ranks = 1 if self.spread else self.world  # the ranks a batch is split over
