@@ -1770,8 +1770,8 @@ class Job:
                 torch.save(checkpoint, buffer)
                 write_atomically(args.save, buffer.getvalue(), '--save')
         except UserError as e:
-            json = args.json and Path(args.json).exists()
-            rest = (f'--resume {args.json} trains the runs it lacks' if json else
+            kept = args.json and Path(args.json).exists()
+            rest = (f'--resume {args.json} trains the runs it lacks' if kept else
                     'run the same command again')
             raise UserError(f'{e}: the job stopped; fix that, then {rest}') from None
 
