@@ -199,8 +199,7 @@ def test_whitening_runs_on_a_device_without_float64():
     (1, 0.2, 1.0), (1, 0.4, 0.55), (1, 0.6, 0.1), (2, 0.4, 1.0), (2, 1.2, 0.1),  # too short for 2 floor epochs
 ])
 def test_schedule_at_and_between_knots(epochs, epoch, expected):
-    knots, values = T.lr_knots({**T.HYP, 'epochs': epochs})
-    assert T.piecewise_linear(epoch, knots, values) == pytest.approx(expected)
+    assert T.lr_schedule({**T.HYP, 'epochs': epochs}, epoch) == pytest.approx(expected)
 
 
 def test_each_step_uses_the_schedule_at_its_own_end():
@@ -628,7 +627,7 @@ def test_optimiser_is_pages_nesterov_update_over_the_real_schedule():
                 dw = -schedule * lr_scale * (p.grad.numpy() + wd * w)
                 velocity[name] = 0.9 * velocity[name] + dw
                 hand[name][0] = w + dw + 0.9 * velocity[name]
-        opt.step(T.piecewise_linear(t / 97, *T.lr_knots({**T.HYP, 'epochs': 10})))
+        opt.step(T.lr_schedule({**T.HYP, 'epochs': 10}, t / 97))
     for name, p in model.named_parameters():
         if p.requires_grad:
             np.testing.assert_allclose(p.detach().numpy(), hand[name][0], rtol=1e-10, atol=1e-12)

@@ -291,20 +291,15 @@ def to_training_precision(model, dtype):
 
 
 # ==== 3. Training: schedule, optimiser, EMA, the networks built once, one epoch ================
-def piecewise_linear(x, knots, values):
-    """Linear interpolation between (knot, value) points, constant beyond the last knot."""
-    return float(np.interp(x, knots, values))
-
-
-def lr_knots(hyp):
-    """Page's schedule in epochs: 0 -> peak at epochs/5 -> floor from epochs - floor_epochs on.
-    Runs too short for that (2.5 epochs or less, at 2 floor epochs) reach the floor halfway from
-    peak to end."""
+def lr_schedule(hyp, epoch):
+    """Page's piecewise-linear schedule at a fractional epoch: 0 -> lr_peak at epochs/5 -> lr_floor
+    from epochs - floor_epochs on. Runs too short for that (2.5 epochs or less, at 2 floor epochs)
+    reach the floor halfway from peak to end."""
     epochs = hyp['epochs']
     peak, floor = epochs / 5, epochs - hyp['floor_epochs']
     if floor <= peak:
         floor = (peak + epochs) / 2
-    return [0, peak, floor], [0, hyp['lr_peak'], hyp['lr_floor']]
+    return float(np.interp(epoch, [0, peak, floor], [0, hyp['lr_peak'], hyp['lr_floor']]))
 
 
 class Nesterov:
@@ -433,14 +428,13 @@ def train_epoch(networks, images, labels, epoch, steps, hyp):
     """One pass over the batches: their summed loss and correct count (on the device: nothing
     waits for them) and the last lr. Each step reads the schedule at its own end, so the first lr
     is not zero. The EMA is updated after batches 0, 5, 10, ... of every epoch, as Page's was."""
-    knots, values = lr_knots(hyp)
     world = rank_and_world()[1]  # the ranks that split each batch: 1 in one process
     batch = hyp['batch_size'] // world  # this rank's images of a step
     loss_sum = torch.zeros((), device=images.device)
     correct = torch.zeros((), device=images.device, dtype=torch.long)
     for i in range(steps):
         step = (epoch - 1) * steps + i + 1  # counted from 1: at its end, the first lr is not zero
-        lr = piecewise_linear(step / steps, knots, values)
+        lr = lr_schedule(hyp, step / steps)
         x, y = images[i * batch:(i + 1) * batch], labels[i * batch:(i + 1) * batch]
         networks.network.zero_grad()  # to None before the forward: the last gradients are freed
         loss, logits = networks.loss(x, y)
