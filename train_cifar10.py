@@ -44,7 +44,7 @@ HYP = dict(
     batch_size=512,          # Page; the last partial batch is dropped: 97 steps per epoch
     lr_peak=1.0,             # schedule: 0 -> lr_peak, linearly, over the first fifth of training
     lr_floor=0.1,            # ... then linearly down to lr_floor, held for the last floor_epochs
-    floor_epochs=2,          # Page: 2 epochs at the floor, which the EMA's average is mostly of
+    floor_epochs=2,          # Page: the last 2 epochs at the floor, where the EMA averages most
     momentum=0.9,            # Page: Nesterov momentum
     weight_decay=5e-4,       # Page; times batch_size per step, see above
     bias_lr_scale=64,        # Page: batch-norm biases take lr x 64 and weight decay / 64
@@ -72,7 +72,7 @@ CIFAR10_STD = (62.99, 62.09, 66.70)
 
 
 def normalise(images, device, dtype):
-    """Upload uint8 N x 3 x 32 x 32 images once and normalise them per channel on the device."""
+    """Upload uint8 N x 3 x 32 x 32 images and normalise them per channel on the device."""
     x = torch.from_numpy(images).to(device).float()
     mean = torch.tensor(CIFAR10_MEAN, device=device).view(1, 3, 1, 1)
     std = torch.tensor(CIFAR10_STD, device=device).view(1, 3, 1, 1)
@@ -138,7 +138,7 @@ def augmented_epoch(padded, labels, hyp, generator, rank=0, world=1):
     """A fresh crop, flip (and cutout) of every image, shuffled and cut into whole batches. Under
     torchrun every rank draws the same and keeps images rank, rank + world, ... of each batch, so
     the ghost batch-norm splits hold the images they hold in one process."""
-    cpu_draws = draw_augmentation(len(padded), hyp, generator)  # crop groups them on the CPU
+    cpu_draws = draw_augmentation(len(padded), hyp, generator)  # crop groups images by these
     draws = {k: v.to(padded.device) for k, v in cpu_draws.items()}
     images = flip(crop(padded, cpu_draws['top'], cpu_draws['left'], 32), draws['flip'])
     if hyp['cutout']:
@@ -158,8 +158,8 @@ def at_least_fp32(dtype):
 
 
 def patch_moment(images):
-    """The uncentred second moment X^T X / (P - 1) of the images' P 3x3 patches X (27 values
-    each, in (channel, row, col) order), summed in fp32 from shifted views."""
+    """The uncentred second moment X^T X / (P - 1), as Page's cov(), of the images' P 3x3 patches
+    X (27 values each, in (channel, row, col) order), summed in fp32 from shifted views."""
     x = images.float()
     n, c, h, w = x.shape
     shifted = [x[:, :, i:i + h - 2, j:j + w - 2] for i in range(3) for j in range(3)]
@@ -266,8 +266,7 @@ class ResNet9(nn.Module):
 
     def forward(self, x):
         x = self.layer3(self.layer2(self.layer1(self.prep(x))))
-        # Page's 4x4 max-pool, global here. max_pool2d, not amax: compiled in half precision,
-        # amax's backward sent NaN into every gradient below; max_pool2d's uses saved indices.
+        # Page's 4x4 max-pool, global here; not amax, whose compiled half backward gave NaN
         return self.head(F.max_pool2d(x, 4).flatten(1)) * self.logit_scale
 
 
@@ -279,14 +278,13 @@ def flip_tta_logits(model, images):
 
 def to_training_precision(model, dtype):
     """The network in dtype, but in fp32 or wider batch norm (it divides by a variance of small
-    differences) and the fixed whitening filters (rounded, they would be other filters)."""
-    whitenings = [(m, m.whitening) for m in model.modules() if isinstance(m, WhitenedPrep)]
+    differences) and the whitening buffer (each run copies its filters into it, unrounded)."""
     model.to(dtype)
-    for module, whitening in whitenings:
-        module.whitening = whitening.to(at_least_fp32(dtype))  # the filters as they were
     for module in model.modules():
         if isinstance(module, nn.BatchNorm2d):
             module.to(at_least_fp32(dtype))
+        elif isinstance(module, WhitenedPrep):
+            module.whitening = module.whitening.to(at_least_fp32(dtype))
     return model
 
 
@@ -308,9 +306,10 @@ class Nesterov:
     Each step's gradient (plus weight decay) is multiplied by that step's learning rate before it
     enters the momentum buffer v:  dw = -lr_t (g + wd w);  v <- m v + dw;  w <- w + dw + m v.
     torch.optim.SGD applies the current rate to the whole buffer instead, the same only while the
-    rate is constant; as it rises, SGD's steps would be up to 45 % larger (step 10). bf16 weights
-    are updated through fp32 master copies (their weight-decay steps would round to nothing); fp16
-    weights in place, as Page did. A few fused (foreach) launches a group per step.
+    rate is constant; as it rises, SGD's steps would be up to 45 % larger (at step 10, for a
+    constant gradient). bf16 weights are updated through fp32 master copies (their weight-decay
+    steps would round to nothing); fp16 weights in place, as Page did. A few fused (foreach)
+    launches a group per step.
     """
 
     def __init__(self, groups, momentum):
@@ -349,8 +348,7 @@ class Nesterov:
 
 
 def optimiser(model, hyp):
-    """Page's two groups, with lr = schedule x lr_scale on the summed loss's gradient: batch-norm
-    biases take lr x 64 and weight decay / 64."""
+    """Page's two groups, weights and biases (bias_lr_scale); a step's lr = schedule x lr_scale."""
     trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     biases = [p for name, p in trainable if name.endswith('bias')]
     weights = [p for name, p in trainable if not name.endswith('bias')]
@@ -404,12 +402,6 @@ class Networks:
         tta = torch.compile(flip_tta_logits, dynamic=False) if compiled else flip_tta_logits
         self.flip_tta_logits = in_tf32(tta) if evaluates_in_tf32(device, dtype) else tta
 
-    def loss(self, images, labels):  # a training step's forward
-        return self.summed_loss(self.parallel, images, labels, self.hyp['label_smoothing'])
-
-    def tta_logits(self, images):  # the EMA model's, evaluated
-        return self.flip_tta_logits(self.ema, images)
-
     @torch.no_grad()
     def reinitialise(self, whitening, seed):
         """The weights a new ResNet9 would draw with this seed (on the CPU: the same on every device
@@ -426,22 +418,21 @@ class Networks:
 
 def train_epoch(networks, images, labels, epoch, steps, hyp):
     """One pass over the batches: their summed loss and correct count (on the device: nothing
-    waits for them) and the last lr. Each step reads the schedule at its own end, so the first lr
-    is not zero. The EMA is updated after batches 0, 5, 10, ... of every epoch, as Page's was."""
+    waits for them) and the last lr. The EMA is updated after batches 0, 5, 10, ... of every epoch,
+    as Page's was."""
     world = rank_and_world()[1]  # the ranks that split each batch: 1 in one process
     batch = hyp['batch_size'] // world  # this rank's images of a step
-    loss_sum = torch.zeros((), device=images.device)
-    correct = torch.zeros((), device=images.device, dtype=torch.long)
+    loss_sum = correct = 0  # tensors on the device after the first step
     for i in range(steps):
-        step = (epoch - 1) * steps + i + 1  # counted from 1: at its end, the first lr is not zero
+        step = (epoch - 1) * steps + i + 1  # the schedule at the step's end: the first lr is not 0
         lr = lr_schedule(hyp, step / steps)
         x, y = images[i * batch:(i + 1) * batch], labels[i * batch:(i + 1) * batch]
         networks.network.zero_grad()  # to None before the forward: the last gradients are freed
-        loss, logits = networks.loss(x, y)
+        loss, logits = networks.summed_loss(networks.parallel, x, y, hyp['label_smoothing'])
         (loss * world).backward()  # DDP averages the ranks' gradients: x world, the global sum's
         networks.optimiser.step(lr)
         if i % hyp['ema_every'] == 0:
-            average_over_ranks(networks.batch_norm_statistics)  # the EMA then is one process's
+            average_over_ranks(networks.batch_norm_statistics)  # the ranks' mean: one process's
             ema_update(*networks.averaged_and_trained, hyp['ema_momentum'] ** hyp['ema_every'])
         loss_sum += loss.detach()
         correct += (logits.argmax(1) == y).sum()
@@ -464,10 +455,9 @@ def test_set(data, networks, hyp, last_batches=None):
 @torch.no_grad()
 def evaluate(networks, images, labels, hyp):
     """Summed loss (label-smoothed) and correct count of the EMA model with flip-TTA."""
-    loss_sum = torch.zeros((), device=images.device)
-    correct = torch.zeros((), device=images.device, dtype=torch.long)
+    loss_sum = correct = 0  # tensors on the device after the first batch
     for x, y in zip(images.split(hyp['eval_batch_size']), labels.split(hyp['eval_batch_size'])):
-        logits = networks.tta_logits(x)
+        logits = networks.flip_tta_logits(networks.ema, x)
         loss_sum += F.cross_entropy(logits, y, label_smoothing=hyp['label_smoothing'],
                                     reduction='sum')
         correct += (logits.argmax(1) == y).sum()
@@ -809,7 +799,7 @@ def compile_passes(networks, data, hyp, device):
         batches = test_set(data, networks, hyp)[0].split(hyp['eval_batch_size'])
         with torch.no_grad():
             for batch in {len(batch): batch for batch in batches}.values():  # a full one, the last
-                networks.tta_logits(batch)
+                networks.flip_tta_logits(networks.ema, batch)
     return disagreement
 
 
