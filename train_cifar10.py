@@ -1238,12 +1238,8 @@ def write_atomically(path, data, flag):
 
 
 def json_ready(x):
-    """x with tuples as lists and NaN or infinity as null, which strict JSON readers accept."""
-    if isinstance(x, dict):
-        return {k: json_ready(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [json_ready(v) for v in x]
-    return None if isinstance(x, float) and not math.isfinite(x) else x
+    """x as its JSON file holds it: tuples as lists, NaN and infinity as null (strict JSON)."""
+    return json.loads(json.dumps(x), parse_constant=lambda name: None)
 
 
 JOB_FORMAT = 'train_cifar10.py job, format 2'
@@ -1730,20 +1726,19 @@ class Job:
         """Keep finished runs: these, and (a spread job's rank 0) those the other ranks left in
         their files. The files are rewritten (saved: the run whose EMA model --save keeps) and
         a spread job's tables printed, Ctrl-C held. Returns how many runs were kept."""
-        records, known = list(records), {run['run'] for run in self.runs + list(records)}
+        records = list(records)
         for path in rank_files(self.args.json) if self.spread and self.rank == 0 else []:
-            for run in read_job(path, '--json')['runs']:
-                if run['run'] not in known:
-                    records.append(run)
-                    known.add(run['run'])
+            known = {run['run'] for run in self.runs + records}
+            records += [run for run in read_job(path, '--json')['runs'] if run['run'] not in known]
         if not records:
             return 0
         with signals_held():
+            records.sort(key=lambda run: run['run'])
             self.runs = sorted(self.runs + records, key=lambda run: run['run'])
             self.kept_at = time.perf_counter()
             if self.rank == 0 or self.spread:
                 self.write(saved)
-            for record in sorted(records, key=lambda run: run['run']) if self.spread else []:
+            for record in records if self.spread else []:
                 self.log('\n'.join(run_table_lines(record, self.args.runs)), flush=True)
         return len(records)
 
@@ -1804,18 +1799,14 @@ def main(argv=None):
         args = parse_args(argv)
     except SystemExit as e:  # a usage error (2) or --help (0): a status, also in a notebook
         return e.code
-    if args.compare:  # trains nothing: print the comparison of two jobs
-        try:
+    job, status = Job(args), 0
+    try:
+        if args.compare:  # trains nothing: print the comparison of two jobs
             beside = [a.split('=')[0] for a in argv if a.startswith('-') and a != '--compare']
             if beside:
                 raise UserError(f"--compare trains nothing: {', '.join(beside)} would not be used")
             print('\n'.join(compare_lines(*args.compare)))
             return 0
-        except UserError as e:
-            print(f'error: {e}', file=sys.stderr)
-            return 1
-    job, status = Job(args), 0
-    try:
         job.set_up()
         job.train()
     except UserError as e:  # torchrun stops the other ranks when one exits with an error
