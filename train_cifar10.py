@@ -1663,7 +1663,7 @@ class Job:
         self.read_back, self.context = len(self.runs), context  # now a stop may write the files
         # The job file is written now if it lacks runs read back (a rank file's, or --resume A
         # --json B's B), or is a spread job's; --resume A alone leaves A as it is.
-        job_file = self.spread or len(resumed) > 1 or not in_place and bool(args.resume)
+        job_file = self.spread or len(resumed) > 1 or (bool(args.resume) and not in_place)
         if self.rank == 0 and (job_file or self.runs and args.log_tsv):
             with signals_held():
                 self.write(job_file=job_file)
