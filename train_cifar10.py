@@ -1222,12 +1222,8 @@ def write_atomically(path, data, flag):
 
 
 def json_ready(x):
-    """x with tuples as lists and NaN or infinity as null, which strict JSON readers accept."""
-    if isinstance(x, dict):
-        return {k: json_ready(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [json_ready(v) for v in x]
-    return None if isinstance(x, float) and not math.isfinite(x) else x
+    """x as its JSON file holds it: tuples as lists, NaN and infinity as null (strict JSON)."""
+    return json.loads(json.dumps(x), parse_constant=lambda name: None)
 
 
 JOB_FORMAT = 'train_cifar10.py job, format 2'
@@ -1352,25 +1348,32 @@ def job_differences(a, b, keys=JOB_KEYS):
     return differences
 
 
-def resumed_runs(job, path, context, runs_requested):
-    """The runs of job (read from path) if it is this job, with no run beyond runs_requested."""
-    differences = job_differences(job, context)
-    if differences:
-        tiny = {k: v for k, v in json_ready(TINY).items() if k != 'epochs'}
-        is_tiny = [all(json_ready(j)['hyperparameters'].get(k) == v for k, v in tiny.items())
-                   for j in (job, context)]
-        hint = ' (that job was --tiny)' if is_tiny == [True, False] else ''
-        threads = [re.fullmatch(r'(CPU .*), (\d+) threads?\)', j['device']) for j in (job, context)]
-        if all(threads) and threads[0][1] == threads[1][1] and job['device'] != context['device']:
-            hint += f' (OMP_NUM_THREADS={threads[0][2]} gives this machine that job\'s threads)'
-        raise UserError(f"--resume {path}: that job differs from this one in "
-                        f"{', '.join(differences)} (that job -> this one){hint}; resume it with "
-                        'its own options, on its kind of device')
-    runs = job['runs']
-    if runs and runs[-1]['run'] > runs_requested:
-        raise UserError(f"--resume {path} holds runs up to {runs[-1]['run']}, more than --runs "
-                        f"{runs_requested}: that job asked for --runs {job['runs_requested']}")
-    return runs
+def resumed_runs(files, context, runs_requested):
+    """The runs of the job files read back, each (path, job), if each is of this job, with no run
+    beyond runs_requested; a run that a rank file and the job file both hold, once."""
+    runs = {}
+    for path, job in files:
+        differences = job_differences(job, context)
+        if differences:
+            tiny = {k: v for k, v in json_ready(TINY).items() if k != 'epochs'}
+            is_tiny = [all(json_ready(j)['hyperparameters'].get(k) == v for k, v in tiny.items())
+                       for j in (job, context)]
+            hint = ' (that job was --tiny)' if is_tiny == [True, False] else ''
+            threads = [re.fullmatch(r'(CPU .*), (\d+) threads?\)', j['device'])
+                       for j in (job, context)]
+            if (all(threads) and threads[0][1] == threads[1][1]
+                    and job['device'] != context['device']):
+                hint += f' (OMP_NUM_THREADS={threads[0][2]} gives this machine that job\'s threads)'
+            raise UserError(f"--resume {path}: that job differs from this one in "
+                            f"{', '.join(differences)} (that job -> this one){hint}; resume it "
+                            'with its own options, on its kind of device')
+        for run in job['runs']:
+            if run['run'] > runs_requested:
+                raise UserError(f"--resume {path} holds runs up to {job['runs'][-1]['run']}, more "
+                                f"than --runs {runs_requested}: that job asked for --runs "
+                                f"{job['runs_requested']}")
+            runs.setdefault(run['run'], run)
+    return [runs[number] for number in sorted(runs)]
 
 
 def spans(numbers):
@@ -1578,7 +1581,7 @@ def prepare_data(args, hyp, local_rank, world):
 
 
 class Job:
-    """One command's runs and the files written after each; main calls set_up, train, finish."""
+    """One command's runs and the files written after each; main calls set_up, then train."""
 
     def __init__(self, args):
         self.args = args
@@ -1589,12 +1592,12 @@ class Job:
         self.spread = args.spread == 'runs' and self.world > 1
         self.batch_ranks = 1 if self.spread else self.world  # the ranks a batch is split over
         self.log = print if self.rank == 0 else (lambda *_, **__: None)
-        self.runs, self.read_back, self.device, self.networks, self.lock = [], [], None, None, None
-        self.trained, self.stopped, self.started, self.unprinted = [], False, None, []
-        self.context = self.kept_at = None
+        self.runs, self.read_back, self.networks, self.lock, self.context = [], 0, None, None, None
+        self.started = self.kept_at = None
 
     def set_up(self):
-        """Options, device, dtype, data, a resumed job: all that is refused, before training."""
+        """Options, job files, device, dtype, data, the runs read back: all that is refused comes
+        before training."""
         args, hyp = self.args, self.hyp
         check_options(args, hyp, self.batch_ranks)
         if args.spread == 'runs' and self.world == 1:
@@ -1606,12 +1609,13 @@ class Job:
                             'through files beside it')
         if written and self.rank == 0:
             self.lock = hold_job_file(written)  # one writer: a second job on it is refused
-        other_file = bool(args.resume and args.json) and (  # --resume A --json B
-            Path(args.json).resolve() != Path(args.resume).resolve())
-        if args.json and (other_file or not args.resume):
-            check_new_job_file(args.json)  # a new job's file, --resume A --json B's B too
-        args.json = written
-        job = read_job(args.resume, '--resume') if args.resume else None  # refused before any work
+        in_place = bool(args.resume) and Path(written).resolve() == Path(args.resume).resolve()
+        if written and not in_place:
+            check_new_job_file(written)  # a new job's file, --resume A --json B's B too
+        args.json, resumed = written, []
+        if args.resume:  # its file, and the runs a spread job's ranks left beside it
+            resumed = [(args.resume, read_job(args.resume, '--resume'))]
+            resumed += [(path, read_job(path, '--resume')) for path in rank_files(args.resume)]
         self.device = pick_device(args.device, self.local_rank if self.world > 1 else None)
         self.compiled, self.channels_last = speed_settings(args, self.device)
         self.dtype = pick_dtype(args.dtype, self.device, self.channels_last)
@@ -1639,24 +1643,20 @@ class Job:
                 raise UserError(f"the ranks differ in {', '.join(differences)} (rank 0 -> "
                                 "another): a --spread runs job's runs must be one job's; use "
                                 'machines alike')
-        self.read_back = resumed_runs(job, args.resume, context, args.runs) if job else []
-        left = rank_files(args.resume) if args.resume else []
-        for path in left:  # runs a spread job's ranks left that its rank 0 may not have taken in
-            known = {run['run'] for run in self.read_back}
-            self.read_back += [run for run in resumed_runs(read_job(path, '--resume'), path,
-                                                           context, args.runs)
-                               if run['run'] not in known]
-        self.runs = sorted(self.read_back, key=lambda run: run['run'])
-        self.context = context  # only now may a stop write the job's file (Job.interrupted)
-        job_file = bool(left or self.spread or other_file)  # --resume A alone leaves A as it is
-        if self.rank == 0 and (job_file or (args.resume and args.log_tsv)):
+        self.runs = resumed_runs(resumed, context, args.runs)
+        self.read_back, self.context = len(self.runs), context  # now a stop may write the files
+        # The job file is written now if it lacks runs read back (a rank file's, or --resume A
+        # --json B's B), or is a spread job's; --resume A alone leaves A as it is.
+        job_file = self.spread or len(resumed) > 1 or (bool(args.resume) and not in_place)
+        if self.rank == 0 and (job_file or self.runs and args.log_tsv):
             with signals_held():
-                self.write(job_file=job_file)  # the runs read back, before any rank writes its own
+                self.write(job_file=job_file)
         if self.spread:
-            dist.barrier()  # ... nor before every rank has read them
+            dist.barrier()  # no rank trains before rank 0 has written the job file
 
     def train(self):
-        """Print the header and runs read back, warm up, train missing runs (spread: its share)."""
+        """Print the header and the runs read back, warm up, train the missing runs (a spread job's
+        rank: its share); rank 0 then waits for the other ranks' runs."""
         args, hyp, log = self.args, self.hyp, self.log
         if self.device.type == 'cuda':
             torch.backends.cudnn.benchmark = True  # fixed shapes: cuDNN picks the fastest kernels
@@ -1677,28 +1677,19 @@ class Job:
                 self.data, hyp, self.device, self.dtype, self.compiled, self.channels_last, log)
         if self.device.type == 'cuda':
             torch.cuda.reset_peak_memory_stats(self.device)  # the runs', not the warm-up's
-        self.unprinted, self.started = list(missing), time.perf_counter()
+        self.started = time.perf_counter()
         for run in missing[self.rank::self.world] if self.spread else missing:
             self.train_one(run)
-        if self.rank == 0:
-            while self.spread and missing_runs(self.runs, args.runs):  # the other ranks' last runs
-                if not self.collect():
-                    time.sleep(0.2)
-            for path in rank_files(args.json) if args.json else []:
-                path.unlink()  # every run in it is in --json
-
-    def collect(self):
-        """Rank 0 of a spread job: take in the runs the other ranks have left in their files."""
-        known = {run['run'] for run in self.runs}
-        arrived = [run for path in rank_files(self.args.json)
-                   for run in read_job(path, '--json')['runs'] if run['run'] not in known]
-        if arrived:
-            self.take_in(arrived)
-        return len(arrived)
+        while self.spread and self.rank == 0 and missing_runs(self.runs, args.runs):
+            if not self.collect():  # the other ranks' last runs
+                time.sleep(0.2)
+        if self.rank == 0 and args.json:
+            for path in rank_files(args.json):
+                path.unlink()  # every run in it is in the job file
 
     def train_one(self, run):
-        """Train run `run` (seed: first seed + run - 1) and keep it; its rows print as it trains
-        (with --spread runs, rank 0 prints whole tables, in run order)."""
+        """Train run `run` (seed: first seed + run - 1) and keep it. Its rows print as it trains;
+        a spread job's rank 0 prints whole tables as it takes runs in."""
         args, hyp, seed = self.args, self.hyp, self.args.seed + run - 1
         if not self.spread:
             self.log(f'\nrun {run}/{args.runs} (seed {seed})\n{table_line(COLUMNS)}', flush=True)
@@ -1706,50 +1697,59 @@ class Job:
         def on_epoch(row):
             if not self.spread:
                 self.log(table_row(row), flush=True)
-            elif self.rank == 0:
-                self.collect()  # other ranks' runs, between this one's epochs
         rows = train_run(self.data, self.networks, hyp, seed, on_epoch)
         losses = rows[-1]['train_loss'], rows[-1]['valid_loss']
         failed = len(rows) < hyp['epochs'] or not all(map(math.isfinite, losses))
         record = dict(run=run, seed=seed, failed=failed, compiled=self.compiled, rows=rows,
                       accuracy=rows[-1]['valid_acc'], time_s=rows[-1]['total_time'])
-        if self.spread and self.rank != 0:
-            path = Path(args.json).with_name(f'.{Path(args.json).name}.rank{self.rank}')
-            with signals_held():  # a finished run is kept whole
-                self.trained.append(record)
-                job = dict(self.context, runs_requested=args.runs, runs=self.trained)
-                write_atomically(path, job_file_text(job).encode(), '--json')
-        else:
-            self.take_in([record], None if failed else self.networks.ema)
+        if failed and not self.spread:
+            self.log(run_table_lines(record, args.runs)[-1])  # FAILED; its rows are printed
+        self.collect(record, saved=None if failed else record)
 
-    def take_in(self, records, ema=None):
-        """Keep finished runs, write the files (ema: to --save), print tables due, Ctrl-C held."""
+    def collect(self, *records, saved=None):
+        """Keep finished runs: these, and (a spread job's rank 0) those the other ranks left in
+        their files. The files are rewritten (saved: the run whose EMA model --save keeps) and
+        a spread job's tables printed, Ctrl-C held. Returns how many runs were kept."""
+        records = list(records)
+        for path in rank_files(self.args.json) if self.spread and self.rank == 0 else []:
+            known = {run['run'] for run in self.runs + records}
+            records += [run for run in read_job(path, '--json')['runs'] if run['run'] not in known]
+        if not records:
+            return 0
         with signals_held():
-            self.runs = sorted(self.runs + records, key=lambda r: r['run'])
+            records.sort(key=lambda run: run['run'])
+            self.runs = sorted(self.runs + records, key=lambda run: run['run'])
             self.kept_at = time.perf_counter()
-            if self.rank == 0:
-                self.write(ema, records[-1] if ema is not None else None)
-            self.print_due()
+            if self.rank == 0 or self.spread:
+                self.write(saved)
+            for record in records if self.spread else []:
+                self.log('\n'.join(run_table_lines(record, self.args.runs)), flush=True)
+        return len(records)
 
-    def write(self, ema=None, ema_run=None, job_file=True):
-        """Write --json (if job_file), --log-tsv and --save (ema: run ema_run's EMA model), each
-        atomically, after every run (a crash at run 37 keeps 1-36); a failure stops the job."""
+    def write(self, saved=None, job_file=True):
+        """Rewrite, each atomically, the job file (a spread job's other ranks: their rank files),
+        and on rank 0 --log-tsv and --save (saved: the run the networks' EMA model is of): after
+        every run, a crash at run 37 keeps runs 1-36. A failure stops the job."""
         args, runs = self.args, self.runs
         try:
             if args.json and job_file:
+                path = Path(args.json)
+                if self.rank != 0:
+                    path = path.with_name(f'.{path.name}.rank{self.rank}')
                 job = dict(self.context, runs_finished=len(runs), runs_requested=args.runs,
                            runs=runs, summary=self.summary())
-                write_atomically(args.json, job_file_text(job).encode(), '--json')
-            if args.log_tsv:
+                write_atomically(path, job_file_text(job).encode(), '--json')
+            if args.log_tsv and self.rank == 0:
                 lines = ['epoch\thours\ttop1Accuracy'] + [
                     f"{row['epoch']}\t{row['total_time'] / 3600:.6f}\t{100 * row['valid_acc']:.2f}"
                     for run in runs for row in run['rows']]
                 write_atomically(args.log_tsv, ('\n'.join(lines) + '\n').encode(), '--log-tsv')
-            if args.save and ema is not None:  # what it takes to rebuild and evaluate the model
+            if args.save and saved and self.rank == 0:  # what it takes to rebuild the model
+                ema = self.networks.ema
                 checkpoint = dict(state_dict={k: v.cpu() for k, v in ema.state_dict().items()},
                                   hyperparameters=self.hyp, classes=CLASSES, mean=CIFAR10_MEAN,
-                                  std=CIFAR10_STD, run=ema_run['run'], seed=ema_run['seed'],
-                                  accuracy=ema_run['accuracy'])
+                                  std=CIFAR10_STD, run=saved['run'], seed=saved['seed'],
+                                  accuracy=saved['accuracy'])
                 buffer = io.BytesIO()  # in memory first: torch.save fails oddly on a full disk
                 torch.save(checkpoint, buffer)
                 write_atomically(args.save, buffer.getvalue(), '--save')
@@ -1759,48 +1759,19 @@ class Job:
                     'run the same command again')
             raise UserError(f'{e}: the job stopped; fix that, then {rest}') from None
 
-    def print_due(self, all_finished=False):
-        """In run order (all_finished: past gaps), print spread runs' tables, others' FAILED."""
-        done = {r['run']: r for r in self.runs}
-        while self.unprinted and (self.unprinted[0] in done or all_finished):
-            record = done.get(self.unprinted.pop(0))
-            if record and self.spread:
-                self.log('\n'.join(run_table_lines(record, self.args.runs)), flush=True)
-            elif record and record['failed']:
-                self.log(run_table_lines(record, self.args.runs)[-1])  # its rows are printed
-
     def summary(self):
         """The summary of the runs kept (read back too), the throughput, on CUDA the peak memory."""
-        args = self.args
+        args, trained = self.args, len(self.runs) - self.read_back
         summary = summarize(self.runs, args.gpu_price, count_94=not args.tiny,
                             flops=self.flops['run'], peak=self.peak, world=self.batch_ranks)
         if args.resume:
-            summary.update(read_back=len(self.read_back), resumed_from=args.resume)
-        trained = len(self.runs) - len(self.read_back)
-        if trained and self.started:
+            summary.update(read_back=self.read_back, resumed_from=args.resume)
+        if trained:
             wall = self.kept_at - self.started  # to the end of the last run kept
             summary.update(wall_s=wall, runs_per_hour=3600 * trained / wall, ranks=self.world)
         if self.device.type == 'cuda' and trained:
             summary['peak_memory_gb'] = torch.cuda.max_memory_allocated(self.device) / 1e9
         return summary
-
-    def interrupted(self):
-        """Ctrl-C, or torchrun stopping the job: keep what has arrived, say so."""
-        if self.spread and self.rank == 0 and self.context:
-            self.collect()  # what other ranks finished is kept; their files stay for --resume
-            self.print_due(all_finished=True)
-        finished = f': summary of the {len(self.runs)} finished run(s)' if self.runs else ''
-        self.log(f'\ninterrupted{finished}')
-
-    def finish(self):
-        """Print the summary; exit status 130 if interrupted, 1 if a run failed or is missing."""
-        if self.runs:
-            self.log('\n' + '\n'.join(summary_lines(self.summary())))
-        if self.spread and self.rank != 0:
-            return 130 if self.stopped else 0
-        if self.stopped:
-            return 130
-        return 1 if len(self.runs) < self.args.runs or any(r['failed'] for r in self.runs) else 0
 
 
 def main(argv=None):
@@ -1812,30 +1783,26 @@ def main(argv=None):
         args = parse_args(argv)
     except SystemExit as e:  # a usage error (2) or --help (0): a status, also in a notebook
         return e.code
-    if args.compare:  # trains nothing: print the comparison of two jobs
-        try:
+    job, status = Job(args), 0
+    try:
+        if args.compare:  # trains nothing: print the comparison of two jobs
             beside = [a.split('=')[0] for a in argv if a.startswith('-') and a != '--compare']
             if beside:
                 raise UserError(f"--compare trains nothing: {', '.join(beside)} would not be used")
             print('\n'.join(compare_lines(*args.compare)))
             return 0
-        except UserError as e:
-            print(f'error: {e}', file=sys.stderr)
-            return 1
-    job, error = Job(args), False
-    try:
         job.set_up()
         job.train()
     except UserError as e:  # torchrun stops the other ranks when one exits with an error
         print(f"error{f' (rank {job.rank})' if job.world > 1 else ''}: {e}", file=sys.stderr)
-        error = True
-    except KeyboardInterrupt:
-        job.stopped = True
+        status = 1
+    except KeyboardInterrupt:  # Ctrl-C, or torchrun stopping a spread job
+        status = 130
     finally:
         with signals_held(discard=True):  # the job has ended, whole: a Ctrl-C now changes nothing
             try:
-                if job.stopped:
-                    job.interrupted()
+                if status == 130 and job.context:
+                    job.collect()  # what other ranks finished; their files stay for --resume
             except UserError as e:  # keeping what had arrived failed: say so in one line
                 print(f'error: {e}', file=sys.stderr)
             finally:
@@ -1843,8 +1810,14 @@ def main(argv=None):
                 leave_process_group()
                 release_job_file(job.lock)
     with signals_held(discard=True):
-        status = job.finish()
-    return 1 if error else status
+        if status == 130:
+            finished = f': summary of the {len(job.runs)} finished run(s)' if job.runs else ''
+            job.log(f'\ninterrupted{finished}')
+        if job.runs:
+            job.log('\n' + '\n'.join(summary_lines(job.summary())))
+    if status or (job.spread and job.rank != 0):  # a spread job's rank holds only some runs
+        return status
+    return 1 if missing_runs(job.runs, args.runs) or any(r['failed'] for r in job.runs) else 0
 
 
 if __name__ == '__main__':
