@@ -1593,7 +1593,7 @@ class Job:
         self.batch_ranks = 1 if self.spread else self.world  # the ranks a batch is split over
         self.log = print if self.rank == 0 else (lambda *_, **__: None)
         self.runs, self.read_back, self.networks, self.lock, self.context = [], 0, None, None, None
-        self.started = self.kept_at = None
+        self.started, self.kept_at, self.unprinted = None, None, []
 
     def set_up(self):
         """Options, job files, device, dtype, data, the runs read back: all that is refused comes
@@ -1677,7 +1677,7 @@ class Job:
                 self.data, hyp, self.device, self.dtype, self.compiled, self.channels_last, log)
         if self.device.type == 'cuda':
             torch.cuda.reset_peak_memory_stats(self.device)  # the runs', not the warm-up's
-        self.started = time.perf_counter()
+        self.started, self.unprinted = time.perf_counter(), list(missing)
         for run in missing[self.rank::self.world] if self.spread else missing:
             self.train_one(run)
         while self.spread and self.rank == 0 and missing_runs(self.runs, args.runs):
@@ -1706,24 +1706,26 @@ class Job:
             self.log(run_table_lines(record, args.runs)[-1])  # FAILED; its rows are printed
         self.collect(record, saved=None if failed else record)
 
-    def collect(self, *records, saved=None):
+    def collect(self, *records, saved=None, stopping=False):
         """Keep finished runs: these, and (a spread job's rank 0) those the other ranks left in
-        their files. The files are rewritten (saved: the run whose EMA model --save keeps) and
-        a spread job's tables printed, Ctrl-C held. Returns how many runs were kept."""
+        their files; rewrite the files (saved: the run whose EMA model --save keeps), Ctrl-C held.
+        A spread job prints tables in run order, up to a run not yet kept (past it, if stopping).
+        Returns how many runs were kept."""
         records = list(records)
         for path in rank_files(self.args.json) if self.spread and self.rank == 0 else []:
             known = {run['run'] for run in self.runs + records}
             records += [run for run in read_job(path, '--json')['runs'] if run['run'] not in known]
-        if not records:
-            return 0
-        with signals_held():
-            records.sort(key=lambda run: run['run'])
-            self.runs = sorted(self.runs + records, key=lambda run: run['run'])
-            self.kept_at = time.perf_counter()
-            if self.rank == 0 or self.spread:
-                self.write(saved)
-            for record in records if self.spread else []:
-                self.log('\n'.join(run_table_lines(record, self.args.runs)), flush=True)
+        if records:
+            with signals_held():
+                self.runs = sorted(self.runs + records, key=lambda run: run['run'])
+                self.kept_at = time.perf_counter()
+                if self.rank == 0 or self.spread:
+                    self.write(saved)
+        kept = {run['run']: run for run in self.runs}
+        while self.spread and self.unprinted and (self.unprinted[0] in kept or stopping):
+            run = kept.get(self.unprinted.pop(0))
+            if run:
+                self.log('\n'.join(run_table_lines(run, self.args.runs)), flush=True)
         return len(records)
 
     def write(self, saved=None, job_file=True):
@@ -1766,7 +1768,7 @@ class Job:
                             flops=self.flops['run'], peak=self.peak, world=self.batch_ranks)
         if args.resume:
             summary.update(read_back=self.read_back, resumed_from=args.resume)
-        if trained:
+        if trained and self.started:  # (runs of other ranks may arrive in rank 0's warm-up)
             wall = self.kept_at - self.started  # to the end of the last run kept
             summary.update(wall_s=wall, runs_per_hour=3600 * trained / wall, ranks=self.world)
         if self.device.type == 'cuda' and trained:
@@ -1802,7 +1804,7 @@ def main(argv=None):
         with signals_held(discard=True):  # the job has ended, whole: a Ctrl-C now changes nothing
             try:
                 if status == 130 and job.context:
-                    job.collect()  # what other ranks finished; their files stay for --resume
+                    job.collect(stopping=True)  # other ranks' runs; their files stay for --resume
             except UserError as e:  # keeping what had arrived failed: say so in one line
                 print(f'error: {e}', file=sys.stderr)
             finally:
