@@ -836,7 +836,7 @@ def compile_failure_line(error, on_rank):
     """Why a compilation failed, in one line: the innermost message, a damaged cache to delete."""
     chain = list(causes(error))
     root = next((e for e in reversed(chain) if str(e).strip()), chain[-1])
-    reason = f'{type(root).__name__}: {(str(root).strip().splitlines() or [""])[0]}'[:200]
+    reason = f'{type(root).__name__}: {str(root).strip()}'.splitlines()[0][:200]
     from torch._inductor.runtime.cache_dir_utils import cache_dir
     hint = (f'; {cache_dir()} may hold a file of an interrupted compilation: delete it to compile '
             'again' if any(cache_dir() in str(e) for e in chain) else '')
@@ -939,10 +939,8 @@ def signals_held(discard=False):
 # ==== Timing: the device's clock, the warm-up ==================================================
 def synced_clock(device):
     """The clock, read once the device, and under torchrun every rank, has done its queued work."""
-    if device.type == 'cuda':
-        torch.cuda.synchronize(device)
-    elif device.type == 'mps':
-        torch.mps.synchronize()
+    if device.type != 'cpu':
+        torch.accelerator.synchronize(device)  # cuda's or mps's
     if SPLIT_BATCHES:  # ranks that train whole runs alone keep their own time
         dist.barrier()
     return time.perf_counter()
