@@ -18,7 +18,7 @@ same_on_every_rank) do nothing in one process.
 Evidence (README.md): no GPU has timed this version yet. On 2 CPU cores one 10-epoch run
 (run_log.txt) reached 90.82 % on a JPEG stand-in for CIFAR-10; a step took 7.1 s, Page's 9.8 s.
 """
-import argparse, codecs, contextlib, copy, errno, hashlib, http.client, inspect, io
+import argparse, bisect, codecs, contextlib, copy, errno, hashlib, http.client, inspect, io
 import json, math, os, pickle, platform, re, shutil, signal, sys, tarfile, tempfile, textwrap
 import threading, time, urllib.request, warnings
 from pathlib import Path
@@ -595,11 +595,8 @@ def ensure_cifar10(data_dir, url=CIFAR10_URL, md5=CIFAR10_MD5):
         raise UserError(f'cannot write to --data-dir {data_dir} ({e.strerror})') from None
     archive = data_dir / CIFAR10_URL.rsplit('/', 1)[-1]  # whatever the mirror's url
     try:
-        if not archive.exists():
+        if not archive.exists():  # one already there: extract and load_cifar10's md5s judge it
             download(url, archive, md5)
-        elif hashlib.md5(archive.read_bytes()).hexdigest() != md5:
-            raise UserError(f'{archive} exists but its md5 is not {md5}: delete it to download '
-                            f'again, or extract your copy so that {data_dir / BATCHES_DIR} exists')
         extract(archive, data_dir)
     except UserError as e:
         check = ' (is that path right?)' if made else ''  # likelier than a network fault
@@ -629,10 +626,6 @@ def read_batch(path):
     """One batch file as (uint8 images N x 3 x 32 x 32, int64 labels N, md5 of the file)."""
     try:
         raw = path.read_bytes()
-    except FileNotFoundError:
-        raise UserError(f'{path} is missing: {path.parent} is not a complete CIFAR-10 python '
-                        'copy') from None
-    try:
         batch = NumpyOnlyUnpickler(io.BytesIO(raw), encoding='latin1').load()
         images, labels = batch['data'], np.asarray(batch['labels'])
         if not (images.dtype == np.uint8 and images.shape[1:] == (3 * 32 * 32,) and len(images)
@@ -640,8 +633,8 @@ def read_batch(path):
                 and 0 <= labels.min() and labels.max() < NUM_CLASSES):
             raise ValueError('not uint8 rows of 3 x 32 x 32 pixels, each with a label 0-9')
     except Exception as e:  # a damaged pickle fails in many ways: EOFError, KeyError, ...
-        raise UserError(f'{path} is damaged or not a CIFAR-10 batch ({type(e).__name__}: {e}): '
-                        f'delete {path.parent} and run again') from None
+        raise UserError(f'{path} is missing, damaged or not a CIFAR-10 batch ({type(e).__name__}: '
+                        f'{e}): delete {path.parent} and run again') from None
     return images.reshape(-1, 3, 32, 32), labels.astype(np.int64), hashlib.md5(raw).hexdigest()
 
 
@@ -666,24 +659,19 @@ def pick_device(name, local_rank=None):
     if name == 'auto':
         mps = torch.backends.mps.is_available()
         name = 'cuda' if torch.cuda.is_available() else 'mps' if mps else 'cpu'
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise UserError(f'unknown --device {name!r}: use auto, cuda, cuda:N, mps or cpu') from None
+    if not re.fullmatch(r'(cuda|mps|cpu)(:\d+)?', name):
+        raise UserError(f'unknown --device {name!r}: use auto, cuda, cuda:N, mps or cpu')
+    device = torch.device(name)
     if device.type == 'cuda' and local_rank is not None:
         device = torch.device('cuda', local_rank)
-    if device.type == 'cuda' and not torch.cuda.is_available():
-        raise UserError('--device cuda: torch sees no CUDA GPU (a CPU-only build, or no driver); '
-                        'use --device cpu or install a CUDA build of torch')
-    if device.type == 'cuda' and (device.index or 0) >= torch.cuda.device_count():
-        raise UserError(f'{device} is not there: only {torch.cuda.device_count()} CUDA device(s) '
-                        'are visible')
+    gpus = torch.cuda.device_count()
+    if device.type == 'cuda' and (device.index or 0) >= gpus:
+        raise UserError(f'--device {device}: torch sees {gpus or "no"} CUDA GPU(s) here (none with '
+                        'a CPU-only build of torch, or without a driver): choose another --device')
     if device.type == 'mps' and not torch.backends.mps.is_available():
         raise UserError('--device mps: MPS is not available on this machine; use --device cpu')
     if device.type == 'mps' and local_rank is not None:
         raise UserError('several ranks train on cuda (NCCL) or cpu (gloo), not mps')
-    if device.type not in ('cuda', 'mps', 'cpu'):
-        raise UserError(f'--device {name}: this script runs on cuda, mps or cpu')
     return device
 
 
@@ -693,8 +681,8 @@ def pick_dtype(name, device, channels_last):
         name = 'fp16' if device.type == 'cuda' else 'fp32'
     dtype = dict(fp16=torch.float16, bf16=torch.bfloat16, fp32=torch.float32)[name]
     # torch.cuda.is_bf16_supported() asks of the current device, and counts emulation (a T4)
-    if (dtype == torch.bfloat16 and device.type == 'cuda' and not torch.version.hip
-            and torch.cuda.get_device_capability(device)[0] < 8):
+    if (dtype == torch.bfloat16 and device.type == 'cuda'
+            and torch.cuda.get_device_capability(device)[0] < 8):  # ROCm's GPUs all report 8+
         raise UserError(f'--dtype bf16: {torch.cuda.get_device_name(device)} has no native bf16 '
                         '(torch would emulate it, slowly; it needs compute capability 8.0 or '
                         'later); use fp16')
@@ -795,11 +783,8 @@ def compile_passes(networks, data, hyp, device):
     with networks.parallel.no_sync() if SPLIT_BATCHES else contextlib.nullcontext():
         disagreement = compiled_step_disagreement(networks, x, y, hyp)
     networks.network.zero_grad()
-    if not disagreement:
-        batches = test_set(data, networks, hyp)[0].split(hyp['eval_batch_size'])
-        with torch.no_grad():
-            for batch in {len(batch): batch for batch in batches}.values():  # a full one, the last
-                networks.flip_tta_logits(networks.ema, batch)
+    if not disagreement:  # the flip-TTA pass at a run's shapes: a full batch, the last
+        evaluate(networks, *test_set(data, networks, hyp, last_batches=2), hyp)
     return disagreement
 
 
@@ -851,7 +836,7 @@ def compile_failure_line(error, on_rank):
     """Why a compilation failed, in one line: the innermost message, a damaged cache to delete."""
     chain = list(causes(error))
     root = next((e for e in reversed(chain) if str(e).strip()), chain[-1])
-    reason = f'{type(root).__name__}: {(str(root).strip().splitlines() or [""])[0]}'[:200]
+    reason = f'{type(root).__name__}: {str(root).strip()}'.splitlines()[0][:200]
     from torch._inductor.runtime.cache_dir_utils import cache_dir
     hint = (f'; {cache_dir()} may hold a file of an interrupted compilation: delete it to compile '
             'again' if any(cache_dir() in str(e) for e in chain) else '')
@@ -954,10 +939,8 @@ def signals_held(discard=False):
 # ==== Timing: the device's clock, the warm-up ==================================================
 def synced_clock(device):
     """The clock, read once the device, and under torchrun every rank, has done its queued work."""
-    if device.type == 'cuda':
-        torch.cuda.synchronize(device)
-    elif device.type == 'mps':
-        torch.mps.synchronize()
+    if device.type != 'cpu':
+        torch.accelerator.synchronize(device)  # cuda's or mps's
     if SPLIT_BATCHES:  # ranks that train whole runs alone keep their own time
         dist.barrier()
     return time.perf_counter()
@@ -1031,7 +1014,7 @@ def summarize(runs, gpu_price=None, count_94=True, flops=None, peak=None, world=
         summary['tflops_per_s'] = flops / 1e12 / times.mean()
         if peak:
             summary['mfu'] = summary['tflops_per_s'] / (peak * world)
-    return {k: (float(v) if isinstance(v, np.floating) else v) for k, v in summary.items()}
+    return summary  # numpy's floats are Python floats, to json too
 
 
 def summary_lines(s):
@@ -1198,13 +1181,8 @@ def runs_for_power(diff, std_a, std_b, power=0.8, most=100_000):
         se = math.sqrt((std_a ** 2 + std_b ** 2) / n)
         return t_cdf(abs(diff) / se - t_quantile(0.975, df), df) >= power
 
-    if not enough(most):
-        return None
-    low, high = 1, most  # enough(high), not enough(low): bisect, as power grows with n
-    while high - low > 1:
-        mid = (low + high) // 2
-        low, high = (low, mid) if enough(mid) else (mid, high)
-    return high
+    fewest = bisect.bisect_left(range(2, most + 1), True, key=enough) + 2  # power grows with n
+    return fewest if fewest <= most else None
 
 
 # ==== Job files: written after every run, read back by --resume, compared by --compare =========
