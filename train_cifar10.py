@@ -626,6 +626,10 @@ def read_batch(path):
     """One batch file as (uint8 images N x 3 x 32 x 32, int64 labels N, md5 of the file)."""
     try:
         raw = path.read_bytes()
+    except FileNotFoundError:  # a user's own folder, maybe: no advice to delete it
+        raise UserError(f'{path} is missing: {path.parent} is not a complete CIFAR-10 python '
+                        'copy') from None
+    try:
         batch = NumpyOnlyUnpickler(io.BytesIO(raw), encoding='latin1').load()
         images, labels = batch['data'], np.asarray(batch['labels'])
         if not (images.dtype == np.uint8 and images.shape[1:] == (3 * 32 * 32,) and len(images)
@@ -633,8 +637,8 @@ def read_batch(path):
                 and 0 <= labels.min() and labels.max() < NUM_CLASSES):
             raise ValueError('not uint8 rows of 3 x 32 x 32 pixels, each with a label 0-9')
     except Exception as e:  # a damaged pickle fails in many ways: EOFError, KeyError, ...
-        raise UserError(f'{path} is missing, damaged or not a CIFAR-10 batch ({type(e).__name__}: '
-                        f'{e}): delete {path.parent} and run again') from None
+        raise UserError(f'{path} is damaged or not a CIFAR-10 batch ({type(e).__name__}: {e}): '
+                        f'delete {path.parent} and run again') from None
     return images.reshape(-1, 3, 32, 32), labels.astype(np.int64), hashlib.md5(raw).hexdigest()
 
 
@@ -659,9 +663,12 @@ def pick_device(name, local_rank=None):
     if name == 'auto':
         mps = torch.backends.mps.is_available()
         name = 'cuda' if torch.cuda.is_available() else 'mps' if mps else 'cpu'
-    if not re.fullmatch(r'(cuda|mps|cpu)(:\d+)?', name):
+    try:
+        device = torch.device(name)
+    except RuntimeError:  # cuda:01, cuda:-1, a name torch does not know
+        device = None
+    if device is None or device.type not in ('cuda', 'mps', 'cpu') or (device.index or 0) < 0:
         raise UserError(f'unknown --device {name!r}: use auto, cuda, cuda:N, mps or cpu')
-    device = torch.device(name)
     if device.type == 'cuda' and local_rank is not None:
         device = torch.device('cuda', local_rank)
     gpus = torch.cuda.device_count()
@@ -1570,8 +1577,8 @@ class Job:
         self.spread = args.spread == 'runs' and self.world > 1
         self.batch_ranks = 1 if self.spread else self.world  # the ranks a batch is split over
         self.log = print if self.rank == 0 else (lambda *_, **__: None)
-        self.runs, self.read_back, self.networks, self.lock, self.context = [], 0, None, None, None
-        self.started, self.kept_at, self.unprinted = None, None, []
+        self.runs, self.read_back, self.networks, self.lock = [], set(), None, None
+        self.context, self.started, self.kept_at, self.unprinted = None, None, None, []
 
     def set_up(self):
         """Options, job files, device, dtype, data, the runs read back: all that is refused comes
@@ -1622,7 +1629,8 @@ class Job:
                                 "another): a --spread runs job's runs must be one job's; use "
                                 'machines alike')
         self.runs = resumed_runs(resumed, context, args.runs)
-        self.read_back, self.context = len(self.runs), context  # now a stop may write the files
+        self.read_back = {run['run'] for run in self.runs}
+        self.context = context  # now a stop may write the files
         # The job file is written now if it lacks runs read back (a rank file's, or --resume A
         # --json B's B), or is a spread job's; --resume A alone leaves A as it is.
         job_file = self.spread or len(resumed) > 1 or (bool(args.resume) and not in_place)
@@ -1680,30 +1688,31 @@ class Job:
         failed = len(rows) < hyp['epochs'] or not all(map(math.isfinite, losses))
         record = dict(run=run, seed=seed, failed=failed, compiled=self.compiled, rows=rows,
                       accuracy=rows[-1]['valid_acc'], time_s=rows[-1]['total_time'])
+        self.collect(record, saved=None if failed else record)
         if failed and not self.spread:
             self.log(run_table_lines(record, args.runs)[-1])  # FAILED; its rows are printed
-        self.collect(record, saved=None if failed else record)
 
     def collect(self, *records, saved=None, stopping=False):
         """Keep finished runs: these, and (a spread job's rank 0) those the other ranks left in
         their files; rewrite the files (saved: the run whose EMA model --save keeps), Ctrl-C held.
         A spread job prints tables in run order, up to a run not yet kept (past it, if stopping).
         Returns how many runs were kept."""
-        records = list(records)
-        for path in rank_files(self.args.json) if self.spread and self.rank == 0 else []:
-            known = {run['run'] for run in self.runs + records}
-            records += [run for run in read_job(path, '--json')['runs'] if run['run'] not in known]
-        if records:
-            with signals_held():
+        with signals_held():  # from here a run given is kept: a stop waits for the block's end
+            records = list(records)
+            for path in rank_files(self.args.json) if self.spread and self.rank == 0 else []:
+                known = {run['run'] for run in self.runs + records}
+                records += [run for run in read_job(path, '--json')['runs']
+                            if run['run'] not in known]
+            if records:
                 self.runs = sorted(self.runs + records, key=lambda run: run['run'])
                 self.kept_at = time.perf_counter()
                 if self.rank == 0 or self.spread:
                     self.write(saved)
-        kept = {run['run']: run for run in self.runs}
-        while self.spread and self.unprinted and (self.unprinted[0] in kept or stopping):
-            run = kept.get(self.unprinted.pop(0))
-            if run:
-                self.log('\n'.join(run_table_lines(run, self.args.runs)), flush=True)
+            kept = {run['run']: run for run in self.runs}
+            while self.spread and self.unprinted and (self.unprinted[0] in kept or stopping):
+                run = kept.get(self.unprinted.pop(0))
+                if run:
+                    self.log('\n'.join(run_table_lines(run, self.args.runs)), flush=True)
         return len(records)
 
     def write(self, saved=None, job_file=True):
@@ -1714,10 +1723,12 @@ class Job:
         try:
             if args.json and job_file:
                 path = Path(args.json)
-                if self.rank != 0:
+                kept = runs
+                if self.rank != 0:  # a spread job's other rank: the runs it trained, for rank 0
                     path = path.with_name(f'.{path.name}.rank{self.rank}')
-                job = dict(self.context, runs_finished=len(runs), runs_requested=args.runs,
-                           runs=runs, summary=self.summary())
+                    kept = [run for run in runs if run['run'] not in self.read_back]
+                job = dict(self.context, runs_finished=len(kept), runs_requested=args.runs,
+                           runs=kept, summary=self.summary())
                 write_atomically(path, job_file_text(job).encode(), '--json')
             if args.log_tsv and self.rank == 0:
                 lines = ['epoch\thours\ttop1Accuracy'] + [
@@ -1741,11 +1752,11 @@ class Job:
 
     def summary(self):
         """The summary of the runs kept (read back too), the throughput, on CUDA the peak memory."""
-        args, trained = self.args, len(self.runs) - self.read_back
+        args, trained = self.args, len(self.runs) - len(self.read_back)
         summary = summarize(self.runs, args.gpu_price, count_94=not args.tiny,
                             flops=self.flops['run'], peak=self.peak, world=self.batch_ranks)
         if args.resume:
-            summary.update(read_back=self.read_back, resumed_from=args.resume)
+            summary.update(read_back=len(self.read_back), resumed_from=args.resume)
         if trained and self.started:  # (runs of other ranks may arrive in rank 0's warm-up)
             wall = self.kept_at - self.started  # to the end of the last run kept
             summary.update(wall_s=wall, runs_per_hour=3600 * trained / wall, ranks=self.world)
