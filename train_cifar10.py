@@ -12,11 +12,8 @@ test accuracy in 10 epochs (26 s on one V100): a ResNet9 whose first layer is a 
 3x3 patches, ghost batch norm, CELU, half precision with batch norm in fp32, label smoothing,
 Nesterov SGD on a piecewise-linear schedule, an EMA of the weights, flip test-time augmentation.
 Read top to bottom: the hyperparameters, the recipe in a run's order, then below a banner the
-harness; its rank helpers that the recipe calls (rank_and_world, data_parallel, *_over_ranks,
-same_on_every_rank) do nothing in one process.
-
-Evidence (README.md): no GPU has timed this version yet. On 2 CPU cores one 10-epoch run
-(run_log.txt) reached 90.82 % on a JPEG stand-in for CIFAR-10; a step took 7.1 s, Page's 9.8 s.
+harness, whose rank helpers (rank_and_world, data_parallel, *_over_ranks, same_on_every_rank) do
+nothing in one process. Results and evidence: README.md.
 """
 import argparse, bisect, codecs, contextlib, copy, errno, hashlib, http.client, inspect, io
 import json, math, os, pickle, platform, re, shutil, signal, sys, tarfile, tempfile, textwrap
@@ -180,10 +177,9 @@ def whitening_filters(images, eps):
 
 
 class WhitenedPrep(nn.Module):
-    """Page's first two layers, the fixed whitening (3x3, 3 -> 27 channels) and the trainable 1x1
-    prep conv (27 -> c_out), as the one 3x3 conv they compose to, with filters formed at every step
-    from the 1x1 weights (a c_out x 27 matrix). Same function, same gradient; the 27-channel
-    full-resolution activation is never written, nor kept for the backward pass."""
+    """Page's fixed whitening (3x3, 3 -> 27 channels) and trainable 1x1 prep conv (27 -> c_out) as
+    the one 3x3 conv they compose to, its filters formed at every step from the c_out x 27 weights:
+    same function and gradient, and the 27-channel full-resolution activation is never written."""
 
     def __init__(self, whitening, c_out):
         super().__init__()
@@ -309,8 +305,7 @@ class Nesterov:
     rate is constant; as it rises, SGD's steps would be up to 45 % larger (at step 10, for a
     constant gradient). bf16 weights are updated through fp32 master copies (their weight-decay
     steps would round to nothing); fp16 weights in place, as Page did. A few fused (foreach)
-    launches a group per step.
-    """
+    launches a group per step."""
 
     def __init__(self, groups, momentum):
         self.momentum, self.groups = momentum, []
@@ -417,9 +412,8 @@ class Networks:
 
 
 def train_epoch(networks, images, labels, epoch, steps, hyp):
-    """One pass over the batches: their summed loss and correct count (on the device: nothing
-    waits for them) and the last lr. The EMA is updated after batches 0, 5, 10, ... of every epoch,
-    as Page's was."""
+    """One pass over the batches: the summed loss and correct count (device tensors: nothing waits
+    for them) and the last lr. As in Page's code, the EMA updates after batches 0, 5, 10, ..."""
     world = rank_and_world()[1]  # the ranks that split each batch: 1 in one process
     batch = hyp['batch_size'] // world  # this rank's images of a step
     loss_sum = correct = 0  # tensors on the device after the first step
@@ -466,10 +460,10 @@ def evaluate(networks, images, labels, hyp):
 
 # ==== 5. One run, timed by the DAWNBench rule ==================================================
 def train_run(data, networks, hyp, seed, on_epoch, steps_per_epoch=None, test_batches=None):
-    """Train one model from the uint8 arrays and return its rows, one an epoch; networks.ema then
-    holds its EMA model. seed fixes the weights and every augmentation draw (on the CPU: the same
-    run on any device). steps_per_epoch and test_batches (the last ones) cut a run short. The clock,
-    read after a device sync, covers all but building the networks and evaluating (DAWNBench)."""
+    """Train one model from the uint8 arrays; returns its rows, one an epoch (networks.ema holds its
+    EMA model). seed fixes the weights and every augmentation draw (on the CPU: the same run on any
+    device); steps_per_epoch and test_batches (the last ones) cut a run short. The clock, read after
+    a device sync, covers all but building the networks and evaluating (DAWNBench)."""
     device, generator = networks.device, torch.Generator().manual_seed(seed)
     test, test_labels = test_set(data, networks, hyp, test_batches)  # for evaluating: not timed
     start = synced_clock(device)
