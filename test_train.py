@@ -1914,29 +1914,43 @@ torch.save(dict(disagreement=disagreement, compiled=compiled, eager=eager, losse
 """
 
 
-@pytest.fixture(scope='module')
-def compiled_runs(dataset, tmp_path_factory):
-    """What compiled training gives on the CPU, narrow: fp32 (COMPILE_WORKER, beside eager, with
-    torch's recompile log), and the GPU's default path, fp16, with its bf16 variant
-    (HALF_PRECISION_WORKER, whose fp32 EMA is evaluated eager: its compiled pass is fp32's).
-    dtype -> (the folder of its results, its stderr). The three workers run at once: each spends
-    most of a minute compiling, mostly on one core."""
-    folder = tmp_path_factory.mktemp('compiled')
+@pytest.fixture(scope='session', autouse=True)
+def compile_workers(request, dataset, tmp_path_factory):
+    """The workers of compiled_runs, started with the suite when a selected test needs them: each
+    spends most of a minute compiling, on one core, while the other tests run."""
     workers = {}
+    if not any('compiled_runs' in item.fixturenames for item in request.session.items):
+        yield workers
+        return
+    folder = tmp_path_factory.mktemp('compiled')
     for dtype in ('float32', 'float16', 'bfloat16'):
         out = folder / dtype
         out.mkdir()
         worker = COMPILE_WORKER if dtype == 'float32' else HALF_PRECISION_WORKER
         script = out / 'worker.py'
         script.write_text(worker.format(repo=str(SCRIPT.parent), data=str(dataset), dtype=dtype, out=str(out)))
-        workers[dtype] = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE,
-                                          stderr=subprocess.PIPE, text=True,
-                                          env={**os.environ, 'TORCH_LOGS': 'recompiles'})
+        with open(out / 'stderr', 'w') as stderr:  # a file: a full pipe would stop the worker
+            workers[dtype] = out, subprocess.Popen(
+                [sys.executable, str(script)], stdout=subprocess.DEVNULL, stderr=stderr,
+                env={**os.environ, 'TORCH_LOGS': 'recompiles'})
+    yield workers
+    for _, worker in workers.values():
+        worker.kill()  # if the suite stopped before it was waited for
+        worker.wait()
+
+
+@pytest.fixture(scope='module')
+def compiled_runs(compile_workers):
+    """What compiled training gives on the CPU, narrow: fp32 (COMPILE_WORKER, beside eager, with
+    torch's recompile log), and the GPU's default path, fp16, with its bf16 variant
+    (HALF_PRECISION_WORKER, whose fp32 EMA is evaluated eager: its compiled pass is fp32's).
+    dtype -> (the folder of its results, its stderr)."""
     results = {}
-    for dtype, worker in workers.items():
-        _, stderr = worker.communicate(timeout=900)
+    for dtype, (folder, worker) in compile_workers.items():
+        worker.wait(timeout=900)
+        stderr = (folder / 'stderr').read_text()
         assert worker.returncode == 0, stderr
-        results[dtype] = folder / dtype, stderr
+        results[dtype] = folder, stderr
     return results
 
 
