@@ -1230,21 +1230,18 @@ def job_file_text(job):
 
 
 def read_job(path, option):
-    """The job file at path, of this script's version, else a one-line UserError; NaN as null."""
+    """The job file at path as this version of the script wrote it, else a one-line UserError."""
     try:
         job = json.loads(Path(path).read_text())
     except FileNotFoundError:
-        start = ' (a new job starts with --json)' if option == '--resume' else ''
-        raise UserError(f'{option} {path}: no such file{start}') from None
-    except (OSError, ValueError) as e:  # a folder; UnicodeDecodeError and JSONDecodeError
-        raise UserError(f'{option} {path} cannot be read as JSON ({e}): not a --json file, or cut '
-                        'short; left as it is') from None
-    if not isinstance(job, dict) or job.get('format') != JOB_FORMAT:
-        raise UserError(f'{option} {path} is not the --json file of a job of this version of '
-                        'train_cifar10.py (another file, or an older version\'s); left as it is')
-    if job.pop('sha256', None) != job_sha256(job):
-        raise UserError(f'{option} {path} was changed since train_cifar10.py wrote it (its sha256 '
-                        'no longer matches), by hand or by damage; left as it is')
+        raise UserError(f'{option} {path}: no such file') from None
+    except (OSError, ValueError):  # a folder; UnicodeDecodeError and JSONDecodeError
+        job = None
+    sha256 = job.pop('sha256', None) if isinstance(job, dict) else None
+    if sha256 != job_sha256(job) or job.get('format') != JOB_FORMAT:  # one check for all
+        raise UserError(f'{option} {path} is not a job file as this version of train_cifar10.py '
+                        "wrote it (another file, an older version's, cut short, or changed since "
+                        'by hand or damage); left as it is')
     return job
 
 
@@ -1504,40 +1501,34 @@ class Job:
     """One command's runs and the files written after each: main calls set_up, then train."""
 
     def __init__(self, args):
-        self.args = args
         given = {name: getattr(args, name) for name in HYP_OPTIONS}
-        self.hyp = {**HYP, **(TINY if args.tiny else {}),
-                    **{name: value for name, value in given.items() if value is not None}}
+        self.args, self.hyp = args, {**HYP, **(TINY if args.tiny else {}),
+                                     **{k: v for k, v in given.items() if v is not None}}
         self.rank, self.local_rank, self.world = torchrun_ranks()
         self.spread = args.spread == 'runs' and self.world > 1
         self.batch_ranks = 1 if self.spread else self.world  # the ranks a batch is split over
         self.log = print if self.rank == 0 else (lambda *_, **__: None)
         self.path = args.resume or args.json  # the job file: a resumed job goes on writing its own
         self.runs, self.read_back, self.networks, self.lock = [], 0, None, None
-        self.context, self.started, self.kept_at = None, None, None
+        self.context = self.started = self.kept_at = None
 
     def set_up(self):
         """Options, job file, device, dtype, data, the runs read back: all that is refused comes
         before training."""
         args, hyp, path = self.args, self.hyp, self.path
         check_options(args, hyp, self.batch_ranks)
-        if args.spread == 'runs' and self.world == 1:
-            print('note: --spread runs shares the runs among the ranks that torchrun starts; this '
-                  'is one process, which trains them all', file=sys.stderr)
         if self.spread and not path:
             raise UserError('--spread runs needs --json: the ranks hand their runs to rank 0 '
                             'through files beside it')
         if path and self.rank == 0:
             self.lock = hold_job_file(path)  # one writer: a second job on it is refused
-        if path and not args.resume and Path(path).exists():  # hours of runs, maybe
-            raise UserError(f'--json {path} exists, and a new job overwrites no job file: '
-                            f'--resume {path} goes on with it or adds runs, or give another path')
-        if path and not args.resume and rank_files(path):  # they would join the new job
-            raise UserError(f'--json {path}: {rank_files(path)[0].name} beside it holds runs of a '
-                            'spread job whose file is gone: delete its .rank files to start a job '
-                            'there')
-        files = [path, *rank_files(path)] if args.resume else []  # with the ranks' files left
-        resumed = [(file, read_job(file, '--resume')) for file in files]
+        files = [file for file in [path, *rank_files(path)] if Path(file).exists()] if path else []
+        if files and not args.resume:  # hours of runs, maybe, or a spread job's ranks' runs
+            raise UserError(f'--json {path} exists, or the .rank files a spread job left beside it '
+                            f'do: a new job overwrites no job file; --resume {path} goes on with '
+                            'it or adds runs, or give another path')
+        read_back = (files or [path]) if args.resume else []  # if the file is gone: its ranks'
+        resumed = [(file, read_job(file, '--resume')) for file in read_back]
         self.device = pick_device(args.device, self.local_rank if self.world > 1 else None)
         self.compiled, self.channels_last = speed_settings(args, self.device)
         self.dtype = pick_dtype(args.dtype, self.device, self.channels_last)
@@ -1576,14 +1567,11 @@ class Job:
     def train(self):
         """Print the header and the runs read back, warm up, train the missing runs (a spread job's
         rank: its share); a spread job's rank 0 then waits for the other ranks' runs."""
-        args, log = self.args, self.log
+        args, hyp, log = self.args, self.hyp, self.log
         if self.device.type == 'cuda':
             torch.backends.cudnn.benchmark = True  # fixed shapes: cuDNN picks the fastest kernels
-        log('\n'.join(header_lines(self.hyp, self.data, self.device, self.dtype, args.seed,
-                                   self.flops, self.peak, self.world, self.fp32_math, self.spread)))
-        if self.runs:
-            log(f'\n--resume {args.resume}: {len(self.runs)} of {args.runs} runs read back, their '
-                'tables below')
+        log('\n'.join(header_lines(hyp, self.data, self.device, self.dtype, args.seed, self.flops,
+                                   self.peak, self.world, self.fp32_math, self.spread)))
         for run in self.runs:
             log('\n'.join(run_table_lines(run, args.runs, f', read back from {args.resume}')))
         done = {run['run'] for run in self.runs}
@@ -1591,33 +1579,27 @@ class Job:
         if missing:
             log(f"\n{'compilation, then ' if self.compiled else ''}warm-up: an untimed run of 2 "
                 'steps and 2 evaluation batches takes the one-off costs', flush=True)
-            self.networks, self.compiled = compiled_warm_up(self.data, self.hyp, self.device,
-                                                            self.dtype, self.compiled,
-                                                            self.channels_last, log)
+            self.networks, self.compiled = compiled_warm_up(
+                self.data, hyp, self.device, self.dtype, self.compiled, self.channels_last, log)
         if self.device.type == 'cuda':
             torch.cuda.reset_peak_memory_stats(self.device)  # the runs', not the warm-up's
         self.started = time.perf_counter()
         live = (lambda *_, **__: None) if self.spread else log  # spread: whole tables, in collect
-        try:
-            for run in missing[self.rank::self.world] if self.spread else missing:
-                seed = args.seed + run - 1
-                live(f'\nrun {run}/{args.runs} (seed {seed})\n{table_line(COLUMNS)}', flush=True)
-                rows = train_run(self.data, self.networks, self.hyp, seed,
-                                 lambda row: live(table_row(row), flush=True))
-                losses = rows[-1]['train_loss'], rows[-1]['valid_loss']
-                failed = len(rows) < self.hyp['epochs'] or not all(map(math.isfinite, losses))
-                record = dict(run=run, seed=seed, failed=failed, compiled=self.compiled, rows=rows,
-                              accuracy=rows[-1]['valid_acc'], time_s=rows[-1]['total_time'])
-                self.collect(record, saved=None if failed else record)
-                if failed:
-                    live(run_table_lines(record, args.runs)[-1])  # FAILED, below its rows
-            while self.spread and self.rank == 0 and len(self.runs) < args.runs:
-                if not self.collect():  # the other ranks' last runs
-                    time.sleep(0.2)
-        except KeyboardInterrupt:  # Ctrl-C, or torchrun's SIGTERM: keep what the ranks finished
-            if self.spread and self.rank == 0:
-                self.collect()  # their files stay, for --resume
-            raise
+        for run in missing[self.rank::self.world] if self.spread else missing:
+            seed = args.seed + run - 1
+            live(f'\nrun {run}/{args.runs} (seed {seed})\n{table_line(COLUMNS)}', flush=True)
+            rows = train_run(self.data, self.networks, hyp, seed,
+                             lambda row: live(table_row(row), flush=True))
+            losses = rows[-1]['train_loss'], rows[-1]['valid_loss']
+            failed = len(rows) < hyp['epochs'] or not all(map(math.isfinite, losses))
+            record = dict(run=run, seed=seed, failed=failed, compiled=self.compiled, rows=rows,
+                          accuracy=rows[-1]['valid_acc'], time_s=rows[-1]['total_time'])
+            self.collect(record, saved=None if failed else record)
+            if failed:
+                live(run_table_lines(record, args.runs)[-1])  # FAILED, below its rows
+        while self.spread and self.rank == 0 and len(self.runs) < args.runs:
+            if not self.collect():  # the other ranks' last runs (after a stop: in their files)
+                time.sleep(0.2)
         for path in rank_files(self.path) if self.rank == 0 and self.path else []:
             path.unlink()  # every run in it is in the job file
 
