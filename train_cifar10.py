@@ -1253,9 +1253,8 @@ def rank_files(path):
 
 
 def hold_job_file(path):
-    """Make this process path's one writer: an flock on the hidden .NAME.lock beside it, which
-    holds our process id; closing the file, or the process's end, however it ends, releases it.
-    None where there is no flock (Windows)."""
+    """Make this process path's one writer: an flock on the hidden .NAME.lock beside it (holding our
+    process id), released when the file closes or the process ends; None without flock (Windows)."""
     try:
         import fcntl
     except ImportError:
@@ -1598,7 +1597,7 @@ class Job:
             if failed:
                 live(run_table_lines(record, args.runs)[-1])  # FAILED, below its rows
         while self.spread and self.rank == 0 and len(self.runs) < args.runs:
-            if not self.collect():  # the other ranks' last runs (after a stop: in their files)
+            if not self.collect():  # the other ranks' last runs
                 time.sleep(0.2)
         for path in rank_files(self.path) if self.rank == 0 and self.path else []:
             path.unlink()  # every run in it is in the job file
@@ -1661,7 +1660,7 @@ class Job:
                             flops=self.flops['run'], peak=self.peak, world=self.batch_ranks)
         if args.resume:
             summary.update(read_back=self.read_back, resumed_from=args.resume)
-        if trained and self.started:  # (a stop in rank 0's warm-up may take in others' runs)
+        if trained:
             wall = self.kept_at - self.started  # to the end of the last run kept
             summary.update(wall_s=wall, runs_per_hour=3600 * trained / wall, ranks=self.world)
         if self.device.type == 'cuda' and trained:
