@@ -1224,24 +1224,18 @@ def job_file_text(job):
 
 
 def read_job(path, option):
-    """The --json file of a job of this script's version, else a one-line UserError; NaN as null."""
-    path = Path(path)
+    """The job file at path as this version of the script wrote it, else a one-line UserError."""
     try:
-        job = json.loads(path.read_text())
+        job = json.loads(Path(path).read_text())
     except FileNotFoundError:
-        start = ' (a new job starts with --json)' if option == '--resume' else ''
-        raise UserError(f'{option} {path}: no such file{start}') from None
-    except (OSError, ValueError) as e:  # a folder; UnicodeDecodeError and JSONDecodeError
-        raise UserError(f'{option} {path} cannot be read as JSON ({e}): not a --json file, or cut '
-                        'short; left as it is') from None
-    if not isinstance(job, dict) or 'script_sha256' not in job:
-        raise UserError(f'{option} {path} is not the --json file of a job; left as it is')
-    if job.get('format') != JOB_FORMAT:
-        raise UserError(f'{option} {path} is the file of a job of an older train_cifar10.py, which '
-                        'this version does not read; left as it is')
-    if job.pop('sha256', None) != job_sha256(job):
-        raise UserError(f'{option} {path} was changed since train_cifar10.py wrote it (its sha256 '
-                        'no longer matches), by hand or by damage; left as it is')
+        raise UserError(f'{option} {path}: no such file') from None
+    except (OSError, ValueError):  # a folder; UnicodeDecodeError and JSONDecodeError
+        job = None
+    sha256 = job.pop('sha256', None) if isinstance(job, dict) else None
+    if sha256 != job_sha256(job) or job.get('format') != JOB_FORMAT:  # one check for all
+        raise UserError(f'{option} {path} is not a job file as this version of train_cifar10.py '
+                        "wrote it (another file, an older version's, cut short, or changed since "
+                        'by hand or damage); left as it is')
     return job
 
 
@@ -1252,79 +1246,44 @@ def rank_files(path):
     return sorted(p for p in path.parent.iterdir() if re.fullmatch(pattern, p.name))
 
 
-def check_new_job_file(path):
-    """Refuse a new job's --json that exists (hours of runs, maybe) or has rank files beside it."""
-    if not Path(path).exists():
-        left = rank_files(path)
-        if left:
-            raise UserError(f'--json {path}: {left[0].name} beside it holds runs of a spread job '
-                            'whose file is gone: delete its .rank files to start a job there')
-        return
-    try:
-        job = read_job(path, '--json')
-    except UserError as e:
-        raise UserError(f'{e}: give another path') from None
-    runs, asked = len(job['runs']), job['runs_requested']
-    go_on = (f'go on with --resume {path}' if runs < asked else
-             f'--resume {path} with a larger --runs adds runs')
-    raise UserError(f'--json {path} already holds a job, {runs} of {asked} runs: {go_on}, or give '
-                    'another path (or delete it to start over)')
-
-
 def hold_job_file(path):
-    """Make this process the one writer of path: an flock on a hidden lock file beside it (released
-    however the process ends), holding our process id; None where there is no flock (Windows)."""
+    """Make this process path's one writer: an flock on the hidden .NAME.lock beside it (holding our
+    process id), released when the file closes or the process ends; None without flock (Windows)."""
     try:
         import fcntl
     except ImportError:
         return None
-    lock_path = Path(path).with_name(f'.{Path(path).name}.lock')
-    while True:
-        lock = open(lock_path, 'a+')
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            lock.seek(0)
-            holder = lock.read().strip() or 'unknown'
-            lock.close()
-            if e.errno in (errno.EAGAIN, errno.EACCES):
-                raise UserError(f'{path} is the file of a job that another process (id {holder}) '
-                                'is running: wait for it to end, or give another path') from None
-            print(f'note: {path} cannot be locked here ({e.strerror}): nothing stops a second job '
-                  'from writing it too', file=sys.stderr)
-            return None
-        if lock_path.exists() and lock_path.stat().st_ino == os.fstat(lock.fileno()).st_ino:
-            break
-        lock.close()  # its last holder removed it while we opened it: take the new one
-    lock.seek(0)
-    lock.truncate()
+    lock = open(Path(path).with_name(f'.{Path(path).name}.lock'), 'a+')
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        lock.seek(0)
+        holder = lock.read().strip() or 'unknown'
+        lock.close()
+        if e.errno in (errno.EAGAIN, errno.EACCES):
+            raise UserError(f'{path} is the file of a job that another process (id {holder}) '
+                            'is running: wait for it to end, or give another path') from None
+        print(f'note: {path} cannot be locked here ({e.strerror}): nothing stops a second job '
+              'from writing it too', file=sys.stderr)
+        return None
+    lock.truncate(0)
     lock.write(f'{os.getpid()}\n')
     lock.flush()
     return lock
 
 
-def release_job_file(lock):
-    """Remove the lock file, then let go of it: a job that opened it meanwhile sees it gone."""
-    if lock:
-        Path(lock.name).unlink(missing_ok=True)
-        lock.close()
-
-
 def job_differences(a, b, keys=JOB_KEYS):
     """'name (in a -> in b)' for each setting in which two jobs differ, hyperparameters singly."""
+    def settings(job):  # a copy, tuples as lists as a JSON file holds them; the data's image
+        job = json_ready(job)  # counts override --tiny's train_images and test_images
+        return {**job.pop('hyperparameters'), **{key: job[key] for key in keys if key in job}}
+
     def short(value):
         text = 'unset' if value is None else str(value)
         return text if len(text) <= 40 else text[:37] + '...'
-    a, b = json_ready(a), json_ready(b)  # tuples as lists, as a JSON file holds them
-    differences = []
-    for key in keys:
-        if key == 'hyperparameters':
-            ha, hb = a[key], b[key]
-            differences += [f'{k} ({short(ha.get(k))} -> {short(hb.get(k))})' for k in {**ha, **hb}
-                            if k not in keys and ha.get(k) != hb.get(k)]  # each difference once
-        elif a[key] != b[key]:
-            differences.append(f'{key} ({short(a[key])} -> {short(b[key])})')
-    return differences
+    a, b = settings(a), settings(b)
+    return [f'{key} ({short(a.get(key))} -> {short(b.get(key))})' for key in {**a, **b}
+            if a.get(key) != b.get(key)]
 
 
 def resumed_runs(files, context, runs_requested):
@@ -1334,18 +1293,9 @@ def resumed_runs(files, context, runs_requested):
     for path, job in files:
         differences = job_differences(job, context)
         if differences:
-            tiny = {k: v for k, v in json_ready(TINY).items() if k != 'epochs'}
-            is_tiny = [all(json_ready(j)['hyperparameters'].get(k) == v for k, v in tiny.items())
-                       for j in (job, context)]
-            hint = ' (that job was --tiny)' if is_tiny == [True, False] else ''
-            threads = [re.fullmatch(r'(CPU .*), (\d+) threads?\)', j['device'])
-                       for j in (job, context)]
-            if (all(threads) and threads[0][1] == threads[1][1]
-                    and job['device'] != context['device']):
-                hint += f' (OMP_NUM_THREADS={threads[0][2]} gives this machine that job\'s threads)'
             raise UserError(f"--resume {path}: that job differs from this one in "
-                            f"{', '.join(differences)} (that job -> this one){hint}; resume it "
-                            'with its own options, on its kind of device')
+                            f"{', '.join(differences)} (that job -> this one); resume it with its "
+                            'own options, on its kind of device')
         for run in job['runs']:
             if run['run'] > runs_requested:
                 raise UserError(f"--resume {path} holds runs up to {job['runs'][-1]['run']}, more "
@@ -1353,24 +1303,6 @@ def resumed_runs(files, context, runs_requested):
                                 f"{job['runs_requested']}")
             runs.setdefault(run['run'], run)
     return [runs[number] for number in sorted(runs)]
-
-
-def spans(numbers):
-    """'run 3', 'runs 3-7' or 'runs 1-3, 5': run numbers, sorted, in ranges."""
-    ranges = []
-    for n in sorted(numbers):
-        if ranges and ranges[-1][1] == n - 1:
-            ranges[-1][1] = n
-        else:
-            ranges.append([n, n])
-    text = ', '.join(f'{a}' if a == b else f'{a}-{b}' for a, b in ranges)
-    return f"run{'s' if len(numbers) > 1 else ''} {text}"
-
-
-def missing_runs(runs, runs_requested):
-    """The numbers of the runs of 1..runs_requested that runs does not hold."""
-    done = {run['run'] for run in runs}
-    return [n for n in range(1, runs_requested + 1) if n not in done]
 
 
 def run_table_lines(run, runs_requested, source=''):
@@ -1390,7 +1322,7 @@ def compare_lines(path_a, path_b):
         if a[key] != b[key]:
             raise UserError(f'--compare: the two jobs did not test on the same data ({key}: '
                             f'{a[key]} -> {b[key]}); their accuracies are not comparable')
-    if json_ready(a['runs']) == json_ready(b['runs']):  # NaN as null, so that NaN equals NaN
+    if a['runs'] == b['runs']:  # as read back: a NaN is a null
         raise UserError(f'--compare: {path_a} and {path_b} hold the same runs (one job twice?): '
                         'nothing to compare')
     acc, lines = {}, []
@@ -1400,11 +1332,10 @@ def compare_lines(path_a, path_b):
         if len(acc[side]) < 2:
             raise UserError(f'--compare: {path} has {len(acc[side])} finished run(s); a comparison '
                             'needs at least 2 a side (the spread of one run is unknown)')
-        failed = len(runs) - len(acc[side])
+        failed, eager = len(runs) - len(acc[side]), sum(not r['compiled'] for r in runs)
         notes = [f'{failed} failed, left out'] if failed else []
         if len(runs) < job['runs_requested']:
             notes.append(f"unfinished: {len(runs)} of {job['runs_requested']} runs")
-        eager = sum(not r['compiled'] for r in runs)
         if job['compile'] and eager:
             notes.append(f'{eager} trained eager, its compilation having failed')
         notes = f" ({'; '.join(notes)})" if notes else ''
@@ -1560,41 +1491,37 @@ def prepare_data(args, hyp, local_rank, world):
 
 
 class Job:
-    """One command's runs and the files written after each; main calls set_up, then train."""
+    """One command's runs and the files written after each: main calls set_up, then train."""
 
     def __init__(self, args):
-        self.args = args
         given = {name: getattr(args, name) for name in HYP_OPTIONS}
-        self.hyp = {**HYP, **(TINY if args.tiny else {}),
-                    **{name: value for name, value in given.items() if value is not None}}
+        self.args, self.hyp = args, {**HYP, **(TINY if args.tiny else {}),
+                                     **{k: v for k, v in given.items() if v is not None}}
         self.rank, self.local_rank, self.world = torchrun_ranks()
         self.spread = args.spread == 'runs' and self.world > 1
         self.batch_ranks = 1 if self.spread else self.world  # the ranks a batch is split over
         self.log = print if self.rank == 0 else (lambda *_, **__: None)
-        self.runs, self.read_back, self.networks, self.lock = [], set(), None, None
-        self.context, self.started, self.kept_at, self.unprinted = None, None, None, []
+        self.path = args.resume or args.json  # the job file: a resumed job goes on writing its own
+        self.runs, self.read_back, self.networks, self.lock = [], 0, None, None
+        self.context = self.started = self.kept_at = None
 
     def set_up(self):
-        """Options, job files, device, dtype, data, the runs read back: all that is refused comes
+        """Options, job file, device, dtype, data, the runs read back: all that is refused comes
         before training."""
-        args, hyp = self.args, self.hyp
+        args, hyp, path = self.args, self.hyp, self.path
         check_options(args, hyp, self.batch_ranks)
-        if args.spread == 'runs' and self.world == 1:
-            print('note: --spread runs shares the runs among the ranks that torchrun starts; this '
-                  'is one process, which trains them all', file=sys.stderr)
-        written = args.json or args.resume  # a resumed job goes on writing its own file
-        if self.spread and not written:
+        if self.spread and not path:
             raise UserError('--spread runs needs --json: the ranks hand their runs to rank 0 '
                             'through files beside it')
-        if written and self.rank == 0:
-            self.lock = hold_job_file(written)  # one writer: a second job on it is refused
-        in_place = bool(args.resume) and Path(written).resolve() == Path(args.resume).resolve()
-        if written and not in_place:
-            check_new_job_file(written)  # a new job's file, --resume A --json B's B too
-        args.json, resumed = written, []
-        if args.resume:  # its file, and the runs a spread job's ranks left beside it
-            resumed = [(args.resume, read_job(args.resume, '--resume'))]
-            resumed += [(path, read_job(path, '--resume')) for path in rank_files(args.resume)]
+        if path and self.rank == 0:
+            self.lock = hold_job_file(path)  # one writer: a second job on it is refused
+        files = [file for file in [path, *rank_files(path)] if Path(file).exists()] if path else []
+        if files and not args.resume:  # hours of runs, maybe, or a spread job's ranks' runs
+            raise UserError(f'--json {path} exists, or the .rank files a spread job left beside it '
+                            f'do: a new job overwrites no job file; --resume {path} goes on with '
+                            'it or adds runs, or give another path')
+        read_back = (files or [path]) if args.resume else []  # if the file is gone: its ranks'
+        resumed = [(file, read_job(file, '--resume')) for file in read_back]
         self.device = pick_device(args.device, self.local_rank if self.world > 1 else None)
         self.compiled, self.channels_last = speed_settings(args, self.device)
         self.dtype = pick_dtype(args.dtype, self.device, self.channels_last)
@@ -1623,33 +1550,25 @@ class Job:
                                 "another): a --spread runs job's runs must be one job's; use "
                                 'machines alike')
         self.runs = resumed_runs(resumed, context, args.runs)
-        self.read_back = {run['run'] for run in self.runs}
-        self.context = context  # now a stop may write the files
-        # The job file is written now if it lacks runs read back (a rank file's, or --resume A
-        # --json B's B), or is a spread job's; --resume A alone leaves A as it is.
-        job_file = self.spread or len(resumed) > 1 or (bool(args.resume) and not in_place)
-        if self.rank == 0 and (job_file or self.runs and args.log_tsv):
+        self.read_back, self.context = len(self.runs), context  # now a stop may write the files
+        if self.rank == 0 and (args.resume or self.spread):  # the runs of rank files too
             with signals_held():
-                self.write(job_file=job_file)
+                self.write()
         if self.spread:
             dist.barrier()  # no rank trains before rank 0 has written the job file
 
     def train(self):
         """Print the header and the runs read back, warm up, train the missing runs (a spread job's
-        rank: its share); rank 0 then waits for the other ranks' runs."""
+        rank: its share); a spread job's rank 0 then waits for the other ranks' runs."""
         args, hyp, log = self.args, self.hyp, self.log
         if self.device.type == 'cuda':
             torch.backends.cudnn.benchmark = True  # fixed shapes: cuDNN picks the fastest kernels
         log('\n'.join(header_lines(hyp, self.data, self.device, self.dtype, args.seed, self.flops,
                                    self.peak, self.world, self.fp32_math, self.spread)))
-        missing = missing_runs(self.runs, args.runs)
-        if self.runs:  # read back: which they are, then their tables
-            to_run = (f'{spans(missing)} to run now' if missing else
-                      'every run has finished: nothing to train')
-            done = spans([r['run'] for r in self.runs])
-            log(f'\n--resume {args.resume}: {done} read back, tables below; {to_run}')
-            for run in self.runs:
-                log('\n'.join(run_table_lines(run, args.runs, f', read back from {args.resume}')))
+        for run in self.runs:
+            log('\n'.join(run_table_lines(run, args.runs, f', read back from {args.resume}')))
+        done = {run['run'] for run in self.runs}
+        missing = [run for run in range(1, args.runs + 1) if run not in done]
         if missing:
             log(f"\n{'compilation, then ' if self.compiled else ''}warm-up: an untimed run of 2 "
                 'steps and 2 evaluation batches takes the one-off costs', flush=True)
@@ -1657,43 +1576,33 @@ class Job:
                 self.data, hyp, self.device, self.dtype, self.compiled, self.channels_last, log)
         if self.device.type == 'cuda':
             torch.cuda.reset_peak_memory_stats(self.device)  # the runs', not the warm-up's
-        self.started, self.unprinted = time.perf_counter(), list(missing)
+        self.started = time.perf_counter()
+        live = (lambda *_, **__: None) if self.spread else log  # spread: whole tables, in collect
         for run in missing[self.rank::self.world] if self.spread else missing:
-            self.train_one(run)
-        while self.spread and self.rank == 0 and missing_runs(self.runs, args.runs):
+            seed = args.seed + run - 1
+            live(f'\nrun {run}/{args.runs} (seed {seed})\n{table_line(COLUMNS)}', flush=True)
+            rows = train_run(self.data, self.networks, hyp, seed,
+                             lambda row: live(table_row(row), flush=True))
+            losses = rows[-1]['train_loss'], rows[-1]['valid_loss']
+            failed = len(rows) < hyp['epochs'] or not all(map(math.isfinite, losses))
+            record = dict(run=run, seed=seed, failed=failed, compiled=self.compiled, rows=rows,
+                          accuracy=rows[-1]['valid_acc'], time_s=rows[-1]['total_time'])
+            self.collect(record, saved=None if failed else record)
+            if failed:
+                live(run_table_lines(record, args.runs)[-1])  # FAILED, below its rows
+        while self.spread and self.rank == 0 and len(self.runs) < args.runs:
             if not self.collect():  # the other ranks' last runs
                 time.sleep(0.2)
-        if self.rank == 0 and args.json:
-            for path in rank_files(args.json):
-                path.unlink()  # every run in it is in the job file
+        for path in rank_files(self.path) if self.rank == 0 and self.path else []:
+            path.unlink()  # every run in it is in the job file
 
-    def train_one(self, run):
-        """Train run `run` (seed: first seed + run - 1) and keep it. Its rows print as it trains;
-        a spread job's rank 0 prints whole tables as it takes runs in."""
-        args, hyp, seed = self.args, self.hyp, self.args.seed + run - 1
-        if not self.spread:
-            self.log(f'\nrun {run}/{args.runs} (seed {seed})\n{table_line(COLUMNS)}', flush=True)
-
-        def on_epoch(row):
-            if not self.spread:
-                self.log(table_row(row), flush=True)
-        rows = train_run(self.data, self.networks, hyp, seed, on_epoch)
-        losses = rows[-1]['train_loss'], rows[-1]['valid_loss']
-        failed = len(rows) < hyp['epochs'] or not all(map(math.isfinite, losses))
-        record = dict(run=run, seed=seed, failed=failed, compiled=self.compiled, rows=rows,
-                      accuracy=rows[-1]['valid_acc'], time_s=rows[-1]['total_time'])
-        self.collect(record, saved=None if failed else record)
-        if failed and not self.spread:
-            self.log(run_table_lines(record, args.runs)[-1])  # FAILED; its rows are printed
-
-    def collect(self, *records, saved=None, stopping=False):
-        """Keep finished runs: these, and (a spread job's rank 0) those the other ranks left in
-        their files; rewrite the files (saved: the run whose EMA model --save keeps), Ctrl-C held.
-        A spread job prints tables in run order, up to a run not yet kept (past it, if stopping).
-        Returns how many runs were kept."""
+    def collect(self, *records, saved=None):
+        """Keep finished runs: these, and on a spread job's rank 0 those the ranks left in their
+        files, printing each one's table; then rewrite the files, Ctrl-C held (saved: the run whose
+        EMA model --save keeps). Returns how many runs were kept."""
         with signals_held():  # from here a run given is kept: a stop waits for the block's end
             records = list(records)
-            for path in rank_files(self.args.json) if self.spread and self.rank == 0 else []:
+            for path in rank_files(self.path) if self.spread and self.rank == 0 else []:
                 known = {run['run'] for run in self.runs + records}
                 records += [run for run in read_job(path, '--json')['runs']
                             if run['run'] not in known]
@@ -1702,27 +1611,22 @@ class Job:
                 self.kept_at = time.perf_counter()
                 if self.rank == 0 or self.spread:
                     self.write(saved)
-            kept = {run['run']: run for run in self.runs}
-            while self.spread and self.unprinted and (self.unprinted[0] in kept or stopping):
-                run = kept.get(self.unprinted.pop(0))
-                if run:
-                    self.log('\n'.join(run_table_lines(run, self.args.runs)), flush=True)
+            for run in records if self.spread else []:
+                self.log('\n'.join(run_table_lines(run, self.args.runs)), flush=True)
         return len(records)
 
-    def write(self, saved=None, job_file=True):
+    def write(self, saved=None):
         """Rewrite, each atomically, the job file (a spread job's other ranks: their rank files),
         and on rank 0 --log-tsv and --save (saved: the run the networks' EMA model is of): after
         every run, a crash at run 37 keeps runs 1-36. A failure stops the job."""
         args, runs = self.args, self.runs
         try:
-            if args.json and job_file:
-                path = Path(args.json)
-                kept = runs
-                if self.rank != 0:  # a spread job's other rank: the runs it trained, for rank 0
+            if self.path:
+                path = Path(self.path)
+                if self.rank:  # a spread job's other rank: its runs, for rank 0 to take in
                     path = path.with_name(f'.{path.name}.rank{self.rank}')
-                    kept = [run for run in runs if run['run'] not in self.read_back]
-                job = dict(self.context, runs_finished=len(kept), runs_requested=args.runs,
-                           runs=kept, summary=self.summary())
+                job = dict(self.context, runs_finished=len(runs), runs_requested=args.runs,
+                           runs=runs, summary=self.summary())
                 write_atomically(path, job_file_text(job).encode(), '--json')
             if args.log_tsv and self.rank == 0:
                 lines = ['epoch\thours\ttop1Accuracy'] + [
@@ -1739,19 +1643,18 @@ class Job:
                 torch.save(checkpoint, buffer)
                 write_atomically(args.save, buffer.getvalue(), '--save')
         except UserError as e:
-            kept = args.json and Path(args.json).exists()
-            rest = (f'--resume {args.json} trains the runs it lacks' if kept else
-                    'run the same command again')
+            rest = (f'--resume {self.path} trains the runs it lacks' if self.path and
+                    Path(self.path).exists() else 'run the same command again')
             raise UserError(f'{e}: the job stopped; fix that, then {rest}') from None
 
     def summary(self):
         """The summary of the runs kept (read back too), the throughput, on CUDA the peak memory."""
-        args, trained = self.args, len(self.runs) - len(self.read_back)
+        args, trained = self.args, len(self.runs) - self.read_back
         summary = summarize(self.runs, args.gpu_price, count_94=not args.tiny,
                             flops=self.flops['run'], peak=self.peak, world=self.batch_ranks)
         if args.resume:
-            summary.update(read_back=len(self.read_back), resumed_from=args.resume)
-        if trained and self.started:  # (runs of other ranks may arrive in rank 0's warm-up)
+            summary.update(read_back=self.read_back, resumed_from=args.resume)
+        if trained:
             wall = self.kept_at - self.started  # to the end of the last run kept
             summary.update(wall_s=wall, runs_per_hour=3600 * trained / wall, ranks=self.world)
         if self.device.type == 'cuda' and trained:
@@ -1785,15 +1688,10 @@ def main(argv=None):
         status = 130
     finally:
         with signals_held(discard=True):  # the job has ended, whole: a Ctrl-C now changes nothing
-            try:
-                if status == 130 and job.context:
-                    job.collect(stopping=True)  # other ranks' runs; their files stay for --resume
-            except UserError as e:  # keeping what had arrived failed: say so in one line
-                print(f'error: {e}', file=sys.stderr)
-            finally:
-                job.networks = None  # its DDP model holds the process group
-                leave_process_group()
-                release_job_file(job.lock)
+            job.networks = None  # its DDP model holds the process group
+            leave_process_group()
+            if job.lock:
+                job.lock.close()  # which releases it; the lock file stays
     with signals_held(discard=True):
         if status == 130:
             finished = f': summary of the {len(job.runs)} finished run(s)' if job.runs else ''
@@ -1802,7 +1700,7 @@ def main(argv=None):
             job.log('\n' + '\n'.join(summary_lines(job.summary())))
     if status or (job.spread and job.rank != 0):  # a spread job's rank holds only some runs
         return status
-    return 1 if missing_runs(job.runs, args.runs) or any(r['failed'] for r in job.runs) else 0
+    return 1 if len(job.runs) < args.runs or any(run['failed'] for run in job.runs) else 0
 
 
 if __name__ == '__main__':
