@@ -2274,7 +2274,8 @@ def test_a_batch_that_does_not_split_over_the_ranks_stops_the_job(dataset, monke
         monkeypatch.setenv(name, str(value))
     assert T.main(['--tiny', '--data-dir', str(dataset), '--batch-size', '32']) == 1
     out, err = capsys.readouterr()
-    assert err.startswith(f'error (rank {rank}): --batch-size must be a positive multiple of 64 over 2 ranks')
+    assert err.startswith(f"error (rank {rank}): --batch-size 32: must be a positive multiple of 64 (ghost batch "
+                          "norm's split of 32 x 2 ranks)")
     assert err.count('\n') == 1
     assert T.table_line(T.COLUMNS) not in out
 

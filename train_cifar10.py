@@ -638,7 +638,7 @@ def pick_device(name, local_rank=None):
     """The training device. Under torchrun (local_rank given) each rank takes its own GPU."""
     mps, gpus = torch.backends.mps.is_available(), torch.cuda.device_count()
     if name == 'auto':
-        name = 'cuda' if torch.cuda.is_available() else 'mps' if mps else 'cpu'
+        name = 'cuda' if gpus else 'mps' if mps else 'cpu'
     try:
         device = torch.device(name)
     except RuntimeError:  # cuda:01, a name torch does not know
@@ -1418,15 +1418,14 @@ def parse_args(argv):
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog=f'examples:\n{doc[1]}\n\nREADME.md says more.')
     add = parser.add_argument
-    add('--epochs', type=int,
-        help=f"training epochs (default: {HYP['epochs']}, --tiny {TINY['epochs']})")
+    add('--epochs', type=int, help=f"(default: {HYP['epochs']}, --tiny {TINY['epochs']})")
     add('--runs', type=int, default=1, help='runs, with seeds seed, seed+1, ... (default: 1)')
     add('--batch-size', type=int, help=f"a multiple of {HYP['bn_split_size']} "
         f"(default: {HYP['batch_size']}, --tiny {TINY['batch_size']})")
     add('--data-dir', default='./data', help=f'holds {BATCHES_DIR}/, or will (default: ./data)')
     add('--data-url', default=os.environ.get('CIFAR10_URL') or CIFAR10_URL,
-        help='a mirror of the archive, also $CIFAR10_URL; the md5 must be the official one')
-    add('--device', default='auto', help='auto (cuda, then mps, then cpu), cuda, cuda:N, mps, cpu')
+        help='a mirror, also $CIFAR10_URL; its md5 must be the official one')
+    add('--device', default='auto', help='auto (cuda, mps, cpu), cuda, cuda:N, mps or cpu')
     add('--dtype', default='auto', choices=['auto', 'fp16', 'bf16', 'fp32'],
         help='auto: fp16 on cuda, else fp32')
     add('--seed', type=int, default=0, help='seed of the first run (default: 0)')
@@ -1438,10 +1437,9 @@ def parse_args(argv):
     add('--resume', metavar='PATH', help='continue the job of this --json file, in it')
     add('--compare', nargs=2, metavar=('A.json', 'B.json'), help='compare two jobs; trains nothing')
     add('--gpu-price', type=float, metavar='USD_PER_HOUR', help='also report the cost per run')
-    add('--compile', action=argparse.BooleanOptionalAction, default=None,
-        help='torch.compile the passes (default: on for cuda and cpu, off for mps and --tiny)')
+    add('--compile', action=argparse.BooleanOptionalAction, help='(default: on, but mps, --tiny)')
     add('--spread', choices=['batches', 'runs'], default='batches',
-        help='under torchrun: split each batch over the ranks, or give each rank whole runs')
+        help='torchrun: split each batch over the ranks, or give each rank whole runs')
     add('--peak-tflops', type=float, metavar='TFLOPS', help="the device's peak, for the MFU")
     return parser.parse_args(argv)
 
@@ -1470,34 +1468,31 @@ def output_problem(path, must_be_new, paths):
 
 def check_options(args, hyp, world):
     """Refuse, before any work, what cannot make a sensible run: one line, '--option value: why'."""
-    split, batch, price, peak = world * hyp['bn_split_size'], hyp['batch_size'], args.gpu_price, \
-        args.peak_tflops
+    price, peak, batch = args.gpu_price, args.peak_tflops, hyp['batch_size']
+    split = world * hyp['bn_split_size']  # each rank takes whole splits of ghost batch norm
+    ranks = f" x {world} ranks" if world > 1 else ''
     checks = [('--epochs', hyp['epochs'], hyp['epochs'] >= 1, 'must be at least 1'),
               ('--runs', args.runs, args.runs >= 1, 'must be at least 1'),
-              ('--batch-size', batch, batch > 0 and batch % split == 0,
-               f'must be a positive multiple of {split}: ghost batch norm takes splits of '
-               f"{hyp['bn_split_size']} images{f' on each of {world} ranks' if world > 1 else ''}"),
+              ('--batch-size', batch, batch > 0 and batch % split == 0, 'must be a positive '
+               f"multiple of {split} (ghost batch norm's split of {hyp['bn_split_size']}{ranks})"),
               ('--cutout', hyp['cutout'], 0 <= hyp['cutout'] <= 32, 'must be 0 to 32 pixels'),
               ('--gpu-price', price, price is None or price >= 0, 'must not be negative'),
               ('--peak-tflops', peak, peak is None or peak > 0, 'must be positive'),
               ('--json', args.json, args.json is None or args.resume is None,
                '--resume goes on writing its own file: give --resume alone')]
-    outputs = {'--json': args.json, '--resume': args.resume, '--log-tsv': args.log_tsv,
-               '--save': args.save}
+    outputs = dict(json=args.json, resume=args.resume, log_tsv=args.log_tsv, save=args.save)
     paths = [os.path.realpath(path) for path in outputs.values() if path]
-    for flag, path in outputs.items():
+    for name, path in outputs.items():
         if path is not None:
-            new = flag in ('--log-tsv', '--save') and not args.resume
-            problem = output_problem(path, new, paths)
-            checks.append((flag, path, problem is None, problem))
+            problem = output_problem(path, name in ('log_tsv', 'save') and not args.resume, paths)
+            checks.append((f"--{name.replace('_', '-')}", path, problem is None, problem))
     for flag, value, sensible, why in checks:
         if not sensible:
             raise UserError(f'{flag} {value!r}: {why}')
 
 
 def prepare_data(args, hyp, local_rank, world):
-    """Load (downloading if needed) the data, or the --tiny subset; one rank per machine downloads
-    while the others wait."""
+    """The data (the --tiny subset); one rank a machine downloads it if missing, the others wait."""
     if world > 1 and local_rank != 0:
         dist.barrier()
     folder = ensure_cifar10(args.data_dir, args.data_url, CIFAR10_MD5)
