@@ -604,8 +604,7 @@ class NumpyOnlyUnpickler(pickle.Unpickler):
 
 
 def load_cifar10(folder):
-    """The training and test sets (uint8 images N x 3 x 32 x 32, int64 labels), their provenance
-    (are the batch files the official ones?) and a digest of them."""
+    """The training and test sets (uint8 N x 3 x 32 x 32, int64 labels), provenance and digest."""
     images, labels, md5s = [], [], []
     for name in OFFICIAL_MD5:
         path = Path(folder) / name
