@@ -83,11 +83,11 @@ def write_dataset(data_dir, per_batch=200, n_test=200, seed=0):
     rng = np.random.default_rng(seed)
     folder = Path(data_dir) / T.BATCHES_DIR
     folder.mkdir(parents=True)
-    for i, name in enumerate(T.TRAIN_FILES):
+    for i in range(1, 6):
         labels = rng.integers(0, 10, per_batch)
-        write_batch(folder / name, synthetic_images(labels, rng), labels, f'training batch {i + 1} of 5')
+        write_batch(folder / f'data_batch_{i}', synthetic_images(labels, rng), labels, f'training batch {i} of 5')
     labels = rng.integers(0, 10, n_test)
-    write_batch(folder / T.TEST_FILE, synthetic_images(labels, rng), labels, 'testing batch 1 of 1')
+    write_batch(folder / 'test_batch', synthetic_images(labels, rng), labels, 'testing batch 1 of 1')
     return folder
 
 
@@ -762,7 +762,8 @@ def test_help_gives_examples_and_no_empty_defaults(capsys, monkeypatch):
     assert '(default: None)' not in out and '(default: False)' not in out
     assert '(default: 512, --tiny 64)' in out and '(default: 0)' in out   # a written default, a default of 0
     assert 'examples:' in out and '--resume a.json' in out and '--compare a.json b.json' in out
-    assert 'holds its floor for the last 2' in out
+    options = out.split('options:')[1].split('examples:')[0]
+    assert len(options.splitlines()) <= 35          # 20 options, a short line each: README's table has the rest
     monkeypatch.setattr(T, '__doc__', None)                         # python -OO strips docstrings
     assert T.main(['--help']) == 0 and '--epochs EPOCHS' in capsys.readouterr().out
 
@@ -811,9 +812,9 @@ def test_generated_and_protocol_2_pickles_load_with_their_labels(tmp_path):
 
 
 @pytest.mark.parametrize('damage, message', [
-    (lambda p: p.write_bytes(p.read_bytes()[:len(p.read_bytes()) // 2]), 'is damaged or not a CIFAR-10 batch'),
-    (lambda p: p.write_bytes(b'\x00' * 100), 'is damaged or not a CIFAR-10 batch'),
-    (lambda p: p.unlink(), 'is missing: .* is not a complete CIFAR-10 python copy'),
+    (lambda p: p.write_bytes(p.read_bytes()[:len(p.read_bytes()) // 2]), r'cannot be read as a CIFAR-10 batch \(UnpicklingError'),
+    (lambda p: p.write_bytes(b'\x00' * 100), r'cannot be read as a CIFAR-10 batch \(UnpicklingError'),
+    (lambda p: p.unlink(), r'cannot be read as a CIFAR-10 batch \(No such file or directory\): .* is not a whole'),
     (lambda p: write_batch(p, np.zeros((5, 3, 32, 31), np.uint8), [0] * 5, 'x'), 'not uint8 rows of 3 x 32 x 32'),
     (lambda p: write_batch(p, np.zeros((5, 3, 32, 32), np.uint8), [0, 1, 2, 3, 10], 'x'), 'each with a label 0-9'),
     (lambda p: write_batch(p, np.zeros((5, 3, 32, 32), np.uint8), [0] * 4, 'x'), 'each with a label 0-9'),
@@ -906,7 +907,7 @@ def test_wrong_checksum_is_refused_and_nothing_is_kept(tmp_path, server):
     data_dir = tmp_path / 'data'
     with pytest.raises(T.UserError, match='md5'):
         T.ensure_cifar10(data_dir, url + '/a.tar.gz', '0' * 32)
-    assert not data_dir.exists()                                  # not even the folder it made
+    assert leftovers(data_dir) == []                              # no archive, no part file
 
 
 def test_corrupt_archive_is_refused_and_nothing_is_extracted(tmp_path, monkeypatch):
@@ -914,16 +915,16 @@ def test_corrupt_archive_is_refused_and_nothing_is_extracted(tmp_path, monkeypat
     truncated = archive[:len(archive) // 2]
     (tmp_path / 'cut.tar.gz').write_bytes(truncated)
     data_dir = tmp_path / 'data'
-    with pytest.raises(T.UserError, match='truncated, corrupt'):   # served from a local file
+    with pytest.raises(T.UserError, match='cannot extract .*: if it is cut short or not the CIFAR-10'):
         T.ensure_cifar10(data_dir, (tmp_path / 'cut.tar.gz').as_uri(), hashlib.md5(truncated).hexdigest())
     assert leftovers(data_dir) == ['cifar-10-python.tar.gz']          # no batches, no staging folder
     monkeypatch.setattr(tempfile, 'mkdtemp', lambda *args: (_ for _ in ()).throw(
         PermissionError(errno.EACCES, 'Permission denied')))        # a read-only folder, as root is not
-    with pytest.raises(T.UserError, match=r'cannot extract .* \(Permission denied\)$'):
+    with pytest.raises(T.UserError, match=r'cannot extract .*Permission denied'):
         T.extract(data_dir / 'cifar-10-python.tar.gz', data_dir)
     monkeypatch.undo()
     (tmp_path / 'garbage.tar.gz').write_bytes(gzip.compress(b'not a tar file' * 100))
-    with pytest.raises(T.UserError, match='truncated, corrupt'):
+    with pytest.raises(T.UserError, match='cannot extract'):
         T.ensure_cifar10(tmp_path / 'data2', (tmp_path / 'garbage.tar.gz').as_uri(),
                          hashlib.md5((tmp_path / 'garbage.tar.gz').read_bytes()).hexdigest())
 
@@ -944,7 +945,7 @@ def test_no_network_gives_one_clear_error_and_leaves_nothing(tmp_path, server):
         T.ensure_cifar10(tmp_path / 'a' / 'b', 'http://127.0.0.1:9/cifar-10-python.tar.gz')  # refused
     assert re.match(r'no CIFAR-10 in --data-dir .*a/b \(is that path right\?\); '
                     r'cannot download http://127\.0\.0\.1:9/', str(refused.value))
-    assert leftovers(tmp_path) == []                              # no data/, no a/b/
+    assert leftovers(tmp_path / 'a' / 'b') == []                  # no archive, no part file
     (tmp_path / 'mine').mkdir()
     with pytest.raises(T.UserError, match='cannot download'):
         T.ensure_cifar10(tmp_path / 'mine', url + '/missing.tar.gz')
@@ -955,7 +956,7 @@ def test_no_network_gives_one_clear_error_and_leaves_nothing(tmp_path, server):
     if Path('/dev/full').exists():                                # a full disk is not the network's fault
         files['/cifar-10-python.tar.gz'] = b'x' * (2 << 20)
         (tmp_path / 'mine' / f'.cifar-10-python.tar.gz.{platform.node()}.part').symlink_to('/dev/full')
-        with pytest.raises(T.UserError, match=r'; cannot write .*\.part \(No space left on device\)$'):
+        with pytest.raises(T.UserError, match=r'cannot download .* into .*\.part \(.*No space left on device'):
             T.ensure_cifar10(tmp_path / 'mine', url + '/cifar-10-python.tar.gz')
         assert leftovers(tmp_path / 'mine') == []
 
@@ -982,7 +983,7 @@ def test_a_mirror_is_used_and_still_checked_against_the_official_md5(tmp_path, s
     files['/mirror/cifar-10-python.tar.gz'] = archive
     # a mirror serving anything but the official archive is refused, and nothing is kept
     assert T.main(['--tiny', '--data-dir', str(tmp_path / 'data'), '--data-url', url + '/mirror/cifar-10-python.tar.gz']) == 1
-    assert f'not {T.CIFAR10_MD5}' in capsys.readouterr().err and not (tmp_path / 'data').exists()
+    assert f'not {T.CIFAR10_MD5}' in capsys.readouterr().err and leftovers(tmp_path / 'data') == []
     monkeypatch.setattr(T, 'CIFAR10_MD5', md5)                   # pretend the generated archive is official
     monkeypatch.setenv('CIFAR10_URL', url + '/mirror/cifar-10-python.tar.gz')   # the notebook's way
     assert T.main(['--tiny', '--epochs', '1', '--batch-size', '32', '--data-dir', str(tmp_path / 'data')]) == 0
@@ -998,17 +999,19 @@ def test_the_batches_folder_itself_works_as_data_dir_and_a_file_is_refused(tmp_p
 
 
 @pytest.mark.parametrize('args, message', [
-    (['--epochs', '0'], '--epochs must be at least 1'),
-    (['--runs', '-1'], '--runs must be at least 1'),
-    (['--batch-size', '48'], 'multiple of 32'),
-    (['--batch-size', '2048'], 'larger than the 1000 training images'),
-    (['--cutout', '40'], '--cutout'),
-    (['--device', 'tpu'], "unknown --device 'tpu'"),
-    (['--device', 'cuda:01'], "unknown --device 'cuda:01'"),          # torch.device refuses it
-    (['--device', 'cuda:128'], "unknown --device 'cuda:128'"),        # torch.device makes it cuda:-128
-    (['--device', 'cuda'], 'no CUDA GPU'),
-    (['--gpu-price', '-1'], '--gpu-price must not be negative, not -1.0'),
-    (['--peak-tflops', '0'], '--peak-tflops must be positive, not 0.0'),
+    (['--epochs', '0'], '--epochs 0: must be at least 1'),
+    (['--runs', '-1'], '--runs -1: must be at least 1'),
+    (['--batch-size', '48'], '--batch-size 48: must be a positive multiple of 32'),
+    (['--batch-size', '2048'], '--batch-size 2048: larger than the 1000 training images'),
+    (['--cutout', '40'], '--cutout 40: must be 0 to 32 pixels'),
+    (['--device', 'tpu'], "--device 'tpu': not a device torch trains on here"),
+    (['--device', 'cuda:01'], "--device 'cuda:01': not a device"),     # torch.device refuses it
+    (['--device', 'cuda:128'], "--device 'cuda:128': not a device"),   # torch.device makes it cuda:-128
+    (['--device', 'cuda'], 'sees no CUDA GPU(s)'),
+    (['--gpu-price', '-1'], '--gpu-price -1.0: must not be negative'),
+    (['--peak-tflops', '0'], '--peak-tflops 0.0: must be positive'),
+    (['--resume', 'a.json', '--json', 'b.json'],
+     "--json 'b.json': --resume goes on writing its own file: give --resume alone"),
 ])
 def test_bad_options_get_one_line_and_a_nonzero_exit(dataset, args, message, capsys):
     if args == ['--device', 'cuda'] and torch.cuda.is_available():
@@ -1021,7 +1024,7 @@ def test_bad_options_get_one_line_and_a_nonzero_exit(dataset, args, message, cap
 def test_unwritable_data_dir_is_refused(tmp_path, capsys):
     (tmp_path / 'a_file').write_text('')
     assert T.main(['--tiny', '--data-dir', str(tmp_path / 'a_file' / 'data')]) == 1
-    assert 'cannot write to --data-dir' in capsys.readouterr().err
+    assert 'data (is that path right?); Not a directory' in capsys.readouterr().err
 
 
 @pytest.mark.parametrize('device', ['cpu', 'cuda', 'mps'])
@@ -1104,20 +1107,6 @@ def test_a_dtype_the_device_cannot_run_is_refused(monkeypatch):
     monkeypatch.setattr(T.F, 'conv2d', unsupported)
     with pytest.raises(T.UserError, match='--dtype fp16 does not run on cpu'):
         T.pick_dtype('fp16', torch.device('cpu'), True)
-
-
-def test_bf16_is_asked_of_the_chosen_gpu_and_refused_where_only_emulated(monkeypatch):
-    asked, probed = [], []
-    capability = {1: (7, 5), 2: (8, 0)}                           # cuda:1 a T4, cuda:2 an A100
-    monkeypatch.setattr(torch.cuda, 'get_device_capability', lambda d: asked.append(d) or capability[d.index])
-    monkeypatch.setattr(torch.cuda, 'get_device_name', lambda d: 'Tesla T4')
-    monkeypatch.setattr(torch.version, 'hip', None)
-    monkeypatch.setattr(T, 'probe_run', lambda device, dtype, channels_last: probed.append((device, dtype)))
-    with pytest.raises(T.UserError, match='Tesla T4 has no native bf16'):
-        T.pick_dtype('bf16', torch.device('cuda', 1), True)
-    assert T.pick_dtype('bf16', torch.device('cuda', 2), True) == torch.bfloat16
-    assert asked == [torch.device('cuda', 1), torch.device('cuda', 2)]
-    assert probed == [(torch.device('cuda', 2), torch.bfloat16)]  # the probe runs what a run runs
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1277,7 +1266,7 @@ def test_ctrl_c_during_a_download_leaves_no_part(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(T.urllib.request, 'urlopen', lambda *args, **kwargs: Response())
     assert T.main(['--tiny', '--data-dir', str(tmp_path / 'data')]) == 130
     assert 'interrupted' in capsys.readouterr().out
-    assert not (tmp_path / 'data').exists()
+    assert leftovers(tmp_path / 'data') == []
 
 
 def test_ctrl_c_while_torch_is_imported_ends_quietly(tmp_path):
@@ -1777,11 +1766,11 @@ def test_a_second_job_on_the_same_file_is_refused_while_the_first_runs(finished_
 
 
 @pytest.mark.parametrize('argv, message', [
-    (['--resume', '{tmp}'], 'error: --resume {tmp} is a folder: give a file name'),
+    (['--resume', '{tmp}'], "error: --resume '{tmp}': a folder: give a file name"),
     (['--json', '{tmp}/r.json', '--save', '{tmp}/r.json'],
-     'error: --json {tmp}/r.json is also the file of --save: give each its own'),
-    (['--json', ''], 'error: --json is an empty path (an unset shell variable?): give a file name'),
-    (['--resume', ''], 'error: --resume is an empty path (an unset shell variable?): give a file name'),
+     "error: --json '{tmp}/r.json': another output's path too: give each its own"),
+    (['--json', ''], "error: --json '': an empty path (an unset shell variable?): give a file name"),
+    (['--resume', ''], "error: --resume '': an empty path (an unset shell variable?): give a file name"),
 ])
 def test_a_mistaken_path_gets_one_line(dataset, tmp_path, monkeypatch, capsys, argv, message):
     monkeypatch.setattr(T, 'probe_run', lambda *args: pytest.fail('work started'))
@@ -1792,10 +1781,10 @@ def test_a_mistaken_path_gets_one_line(dataset, tmp_path, monkeypatch, capsys, a
 
 
 @pytest.mark.parametrize('option, path, message', [
-    ('--json', 'missing/r.json', 'the folder .*missing does not exist'),
-    ('--log-tsv', 'a_file/r.tsv', 'the folder .*a_file does not exist'),
-    ('--save', '.', 'is a folder: give a file name'),
-    ('--save', 'a_file', 'exists, and a new job overwrites no file: give another path, or delete it'),
+    ('--json', 'missing/r.json', r'cannot write in its folder \(No such file or directory\)$'),
+    ('--log-tsv', 'a_file/r.tsv', r'cannot write in its folder \(Not a directory\)$'),
+    ('--save', '.', "': a folder: give a file name$"),
+    ('--save', 'a_file', "': exists, and a new job overwrites no file: give another path, or delete it$"),
     ('--log-tsv', 'a_file', 'exists, and a new job overwrites no file'),
 ])
 def test_output_paths_are_refused_before_any_work(dataset, tmp_path, monkeypatch, capsys, option, path, message):
@@ -1831,7 +1820,7 @@ print('cell 2 status', status)
     assert result.returncode == 0, result.stderr
     # cell 1 parsed no arguments (the defaults: ./data), failed on the empty folder, raised nothing
     assert 'unrecognized arguments' not in result.stderr and 'Traceback' not in result.stderr
-    assert f"data/{T.BATCHES_DIR}/data_batch_1 is missing" in result.stderr
+    assert f"data/{T.BATCHES_DIR}/data_batch_1 cannot be read" in result.stderr
     assert 'cell 1 done' in result.stdout
     assert 'cell 2 status 0' in result.stdout and 'train_cifar10.py n/a' in result.stdout
 
@@ -2278,7 +2267,8 @@ def test_a_batch_that_does_not_split_over_the_ranks_stops_the_job(dataset, monke
         monkeypatch.setenv(name, str(value))
     assert T.main(['--tiny', '--data-dir', str(dataset), '--batch-size', '32']) == 1
     out, err = capsys.readouterr()
-    assert err.startswith(f'error (rank {rank}): --batch-size must be a positive multiple of 64 over 2 ranks')
+    assert err.startswith(f"error (rank {rank}): --batch-size 32: must be a positive multiple of 64 (ghost batch "
+                          "norm's split of 32 x 2 ranks)")
     assert err.count('\n') == 1
     assert T.table_line(T.COLUMNS) not in out
 

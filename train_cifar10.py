@@ -508,9 +508,7 @@ CLASSES = ('airplane', 'automobile', 'bird', 'cat', 'deer', 'dog', 'frog', 'hors
 CIFAR10_URL = 'https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz'
 CIFAR10_MD5 = 'c58f30108f718f92721af3b95e74349a'
 BATCHES_DIR = 'cifar-10-batches-py'
-TRAIN_FILES = ('data_batch_1', 'data_batch_2', 'data_batch_3', 'data_batch_4', 'data_batch_5')
-TEST_FILE = 'test_batch'
-OFFICIAL_MD5 = {
+OFFICIAL_MD5 = {  # the batch files: five of training images, then the test images
     'data_batch_1': 'c99cafc152244af753f735de768cd75f',
     'data_batch_2': 'd4bba439e000b95fd0a9bffe97cbabec',
     'data_batch_3': '54ebc095f3ab1f0389bbae665268c751',
@@ -530,24 +528,18 @@ def download(url, archive, md5):
     partial = archive.with_name(f'.{archive.name}.{platform.node()}.part')
     try:
         with urllib.request.urlopen(url, timeout=60) as response, open(partial, 'wb') as out:
-            total = int(response.headers.get('Content-Length') or 0) / 1e6
-            while chunk := response.read(1 << 20):
-                out.write(chunk)
-                print(f'\rdownloading {url}: {out.tell() / 1e6:.1f} of {total:.1f} MB', end='',
-                      file=sys.stderr)
-        print(file=sys.stderr)
+            size = int(response.headers.get('Content-Length') or 0) / 1e6
+            print(f'downloading {url} ({size:.0f} MB)', file=sys.stderr)
+            shutil.copyfileobj(response, out, 1 << 20)
         got = hashlib.md5(partial.read_bytes()).hexdigest()
         if got != md5:
             raise UserError(f'the download of {url} has md5 {got}, not {md5}: it is cut short or '
                             'not the CIFAR-10 archive; nothing was kept, try again')
         os.replace(partial, archive)
     except (OSError, ValueError, http.client.HTTPException) as e:  # ValueError: a malformed url
-        local = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EACCES, errno.EPERM, errno.EROFS)
-        if isinstance(e, OSError) and e.errno in local:
-            raise UserError(f'cannot write {partial} ({e.strerror})') from None  # not the network
         why = e if isinstance(e, urllib.error.HTTPError) else getattr(e, 'reason', e)
-        raise UserError(f'cannot download {url} ({why}): check the network, or put '
-                        f'{BATCHES_DIR}/ into {archive.parent} yourself') from None
+        raise UserError(f'cannot download {url} into {partial} ({why}): check the network and the '
+                        f'disk, or put {BATCHES_DIR}/ into {archive.parent} yourself') from None
     finally:
         partial.unlink(missing_ok=True)
 
@@ -564,40 +556,29 @@ def extract(archive, data_dir):
                 tar.extractall(staging, filter='data')  # refuses absolute paths, links out, devices
             os.replace(os.path.join(staging, BATCHES_DIR), data_dir / BATCHES_DIR)
     except (tarfile.TarError, EOFError, OSError) as e:
-        if (data_dir / BATCHES_DIR).is_dir():
-            return  # another job, extracting at the same time, put it there whole first
-        if isinstance(e, OSError) and e.errno not in (None, errno.ENOENT):  # a full disk, say
-            raise UserError(f'cannot extract {archive} into {data_dir} ({e.strerror})') from None
-        raise UserError(f'{archive} is truncated, corrupt or not the CIFAR-10 python archive '
-                        f'({e}): delete it, run again') from None
+        if not (data_dir / BATCHES_DIR).is_dir():  # else another job put it there whole first
+            raise UserError(f'cannot extract {archive} ({e}): if it is cut short or not the '
+                            'CIFAR-10 python archive, delete it') from None
 
 
 def ensure_cifar10(data_dir, url=CIFAR10_URL, md5=CIFAR10_MD5):
     """The folder of the batch files, data_dir or its cifar-10-batches-py, downloaded if missing."""
     data_dir = Path(data_dir)
-    if (data_dir / TRAIN_FILES[0]).is_file():
+    if (data_dir / 'data_batch_1').is_file():
         return data_dir
-    if (data_dir / BATCHES_DIR).is_dir():
-        return data_dir / BATCHES_DIR
     if data_dir.is_file():
         raise UserError(f'--data-dir {data_dir} is a file, not a folder')
-    made = next((p for p in [*reversed(data_dir.absolute().parents), data_dir.absolute()]
-                 if not p.exists()), None)  # the first folder made here: a failure removes it
-    try:
-        data_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise UserError(f'cannot write to --data-dir {data_dir} ({e.strerror})') from None
+    hint = '' if data_dir.exists() else ' (is that path right?)'  # likelier than a network fault
     archive = data_dir / CIFAR10_URL.rsplit('/', 1)[-1]  # whatever the mirror's url
     try:
-        if not archive.exists():  # one already there: extract and load_cifar10's md5s judge it
-            download(url, archive, md5)
-        extract(archive, data_dir)
-    except UserError as e:
-        check = ' (is that path right?)' if made else ''  # likelier than a network fault
-        raise UserError(f'no CIFAR-10 in --data-dir {data_dir}{check}; {e}') from None
-    finally:
-        if made and not any(data_dir.iterdir()):
-            shutil.rmtree(made)
+        if not (data_dir / BATCHES_DIR).is_dir():
+            data_dir.mkdir(parents=True, exist_ok=True)
+            if not archive.exists():  # one already there: extract and load_cifar10's md5s judge it
+                download(url, archive, md5)
+            extract(archive, data_dir)
+    except (OSError, UserError) as e:  # OSError: mkdir's
+        why = e.strerror if isinstance(e, OSError) else e
+        raise UserError(f'no CIFAR-10 in --data-dir {data_dir}{hint}; {why}') from None
     return data_dir / BATCHES_DIR
 
 
@@ -616,77 +597,62 @@ class NumpyOnlyUnpickler(pickle.Unpickler):
         return self.SAFE[module, name]
 
 
-def read_batch(path):
-    """One batch file as (uint8 images N x 3 x 32 x 32, int64 labels N, md5 of the file)."""
-    try:
-        raw = path.read_bytes()
-    except FileNotFoundError:  # a user's own folder, maybe: no advice to delete it
-        raise UserError(f'{path} is missing: {path.parent} is not a complete CIFAR-10 python '
-                        'copy') from None
-    try:
-        batch = NumpyOnlyUnpickler(io.BytesIO(raw), encoding='latin1').load()
-        images, labels = batch['data'], np.asarray(batch['labels'])
-        if not (images.dtype == np.uint8 and images.shape[1:] == (3 * 32 * 32,) and len(images)
-                and labels.shape == (len(images),) and labels.dtype.kind in 'iu'
-                and 0 <= labels.min() and labels.max() < NUM_CLASSES):
-            raise ValueError('not uint8 rows of 3 x 32 x 32 pixels, each with a label 0-9')
-    except Exception as e:  # a damaged pickle fails in many ways: EOFError, KeyError, ...
-        raise UserError(f'{path} is damaged or not a CIFAR-10 batch ({type(e).__name__}: {e}): '
-                        f'delete {path.parent} and run again') from None
-    return images.reshape(-1, 3, 32, 32), labels.astype(np.int64), hashlib.md5(raw).hexdigest()
-
-
 def load_cifar10(folder):
-    """The training and test sets (uint8 images, int64 labels), their provenance and digest."""
-    train = [read_batch(folder / name) for name in TRAIN_FILES]
-    test = read_batch(folder / TEST_FILE)
-    md5s = dict(zip(TRAIN_FILES + (TEST_FILE,), [md5 for _, _, md5 in train + [test]]))
-    differing = [name for name, md5 in md5s.items() if md5 != OFFICIAL_MD5[name]]
+    """The training and test sets (uint8 N x 3 x 32 x 32, int64 labels), provenance and digest."""
+    images, labels, md5s = [], [], []
+    for name in OFFICIAL_MD5:
+        path = Path(folder) / name
+        try:
+            raw = path.read_bytes()
+            batch = NumpyOnlyUnpickler(io.BytesIO(raw), encoding='latin1').load()
+            pixels, classes = batch['data'], np.asarray(batch['labels'])
+            if not (pixels.dtype == np.uint8 and pixels.shape[1:] == (3 * 32 * 32,) and len(pixels)
+                    and classes.shape == (len(pixels),) and classes.dtype.kind in 'iu'
+                    and 0 <= classes.min() and classes.max() < NUM_CLASSES):
+                raise ValueError('not uint8 rows of 3 x 32 x 32 pixels, each with a label 0-9')
+        except Exception as e:  # a damaged pickle fails in many ways: EOFError, KeyError, ...
+            why = e.strerror if isinstance(e, OSError) else f'{type(e).__name__}: {e}'
+            raise UserError(f'{path} cannot be read as a CIFAR-10 batch ({why}): {folder} is not '
+                            'a whole CIFAR-10 python copy; delete it, run again') from None
+        images.append(pixels.reshape(-1, 3, 32, 32))
+        labels.append(classes.astype(np.int64))
+        md5s.append(hashlib.md5(raw).hexdigest())
+    differing = [name for name, md5 in zip(OFFICIAL_MD5, md5s) if md5 != OFFICIAL_MD5[name]]
     provenance = (f'NOT the official CIFAR-10: {", ".join(differing)} differ from the official '
                   'md5s, so accuracies below are not CIFAR-10 results' if differing else
                   'official CIFAR-10 (all six batch files match their published md5s)')
-    digest = hashlib.sha256(' '.join(md5s.values()).encode()).hexdigest()[:16]
-    return dict(train_images=np.concatenate([b[0] for b in train]),
-                train_labels=np.concatenate([b[1] for b in train]),
-                test_images=test[0], test_labels=test[1], provenance=provenance, digest=digest)
+    return dict(train_images=np.concatenate(images[:5]), train_labels=np.concatenate(labels[:5]),
+                test_images=images[5], test_labels=labels[5], provenance=provenance,
+                digest=hashlib.sha256(' '.join(md5s).encode()).hexdigest()[:16])
 
 
 # ==== Devices and precision ====================================================================
 def pick_device(name, local_rank=None):
     """The training device. Under torchrun (local_rank given) each rank takes its own GPU."""
+    mps, gpus = torch.backends.mps.is_available(), torch.cuda.device_count()
     if name == 'auto':
-        mps = torch.backends.mps.is_available()
-        name = 'cuda' if torch.cuda.is_available() else 'mps' if mps else 'cpu'
+        name = 'cuda' if gpus else 'mps' if mps else 'cpu'
     try:
         device = torch.device(name)
-    except RuntimeError:  # cuda:01, cuda:-1, a name torch does not know
-        device = None
-    if device is None or device.type not in ('cuda', 'mps', 'cpu') or (device.index or 0) < 0:
-        raise UserError(f'unknown --device {name!r}: use auto, cuda, cuda:N, mps or cpu')
+    except RuntimeError:  # cuda:01, a name torch does not know
+        device = torch.device('meta')
     if device.type == 'cuda' and local_rank is not None:
         device = torch.device('cuda', local_rank)
-    gpus = torch.cuda.device_count()
-    if device.type == 'cuda' and (device.index or 0) >= gpus:
-        raise UserError(f'--device {device}: torch sees {gpus or "no"} CUDA GPU(s) here (none with '
-                        'a CPU-only build of torch, or without a driver): choose another --device')
-    if device.type == 'mps' and not torch.backends.mps.is_available():
-        raise UserError('--device mps: MPS is not available on this machine; use --device cpu')
-    if device.type == 'mps' and local_rank is not None:
-        raise UserError('several ranks train on cuda (NCCL) or cpu (gloo), not mps')
+    usable = dict(cpu=True, cuda=0 <= (device.index or 0) < gpus,  # cuda:128 has index -128
+                  mps=mps and local_rank is None)  # ranks talk over NCCL (cuda) or gloo (cpu)
+    if not usable.get(device.type):
+        raise UserError(f"--device {name!r}: not a device torch trains on here (it sees "
+                        f"{gpus or 'no'} CUDA GPU(s), {'' if mps else 'no '}MPS; torchrun's ranks "
+                        'take cuda or cpu): choose auto, cuda, cuda:N, mps or cpu')
     return device
 
 
 def pick_dtype(name, device, channels_last):
-    """The training dtype; a short probe run must succeed with it on this device and layout."""
+    """The training dtype, once a short probe run has succeeded with it on this device and layout:
+    a GPU without bf16 fails it; one that emulates bf16 runs slowly but right."""
     if name == 'auto':
         name = 'fp16' if device.type == 'cuda' else 'fp32'
     dtype = dict(fp16=torch.float16, bf16=torch.bfloat16, fp32=torch.float32)[name]
-    # torch.cuda.is_bf16_supported() asks of the current device, and counts emulation (a T4)
-    if (dtype == torch.bfloat16 and device.type == 'cuda'
-            and torch.cuda.get_device_capability(device)[0] < 8):  # ROCm's GPUs all report 8+
-        raise UserError(f'--dtype bf16: {torch.cuda.get_device_name(device)} has no native bf16 '
-                        '(torch would emulate it, slowly; it needs compute capability 8.0 or '
-                        'later); use fp16')
     try:
         probe_run(device, dtype, channels_last)
     except (RuntimeError, TypeError, NotImplementedError) as e:
@@ -714,13 +680,12 @@ def evaluates_in_tf32(device, dtype):
 
 
 def fp32_precision(device, dtype):
-    """Set, and say, how a CUDA GPU runs fp32 convolutions and matmuls: TF32 off for training (the
-    folded whitening's gradient would round as in fp16), on for the EMA's evaluation (in_tf32)."""
+    """On CUDA, TF32 off for training (the folded whitening's gradient would round as in fp16), on
+    for the EMA's evaluation (in_tf32); returns what the header says of it, None off CUDA."""
     if device.type != 'cuda':
         return None  # CPUs and MPS compute fp32 as fp32
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
-    # inductor suggests TF32 whenever it compiles an fp32 matmul with TF32 off: here, deliberately
-    warnings.filterwarnings('ignore', message='TensorFloat32 tensor cores')
+    warnings.filterwarnings('ignore', message='TensorFloat32 tensor cores')  # inductor's advice
     return "TF32 for the EMA's evaluation only" if evaluates_in_tf32(device, dtype) else 'TF32 off'
 
 
@@ -1367,61 +1332,40 @@ def compare_lines(path_a, path_b):
 # horizon of ~100 steps), hence 0.9; 250 test images a batch fit a CPU's caches better than 1000.
 TINY = dict(epochs=4, batch_size=64, train_images=3000, test_images=500, channels=(8, 16, 32, 64),
             ema_momentum=0.9, whitening_images=3000, eval_batch_size=250)
-# The hyperparameters the command line sets. Their options default to None, so that one left out
-# keeps HYP's value, or TINY's with --tiny.
-HYP_OPTIONS = ('epochs', 'batch_size', 'cutout')
+HYP_OPTIONS = ('epochs', 'batch_size', 'cutout')  # their options' None keeps HYP's (TINY's) value
 
 
 def parse_args(argv):
+    """The options, a short line each: README.md's Options table is their reference."""
     doc = (__doc__ or '').split('\n\n') + ['']  # the top of this file; none under python -OO
-    p = argparse.ArgumentParser(description=doc[0].split('\n')[0], allow_abbrev=False,
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=f'examples:\n{doc[1]}\n\nREADME.md says more.')
-    add, default = p.add_argument, ' (default: %(default)s)'
-    add('--epochs', type=int,
-        help='training epochs; the lr peaks at a fifth of them and holds its floor for the last '
-             f"{HYP['floor_epochs']} (default: {HYP['epochs']}, --tiny {TINY['epochs']})")
-    add('--runs', type=int, default=1, help='independent runs (seeds seed, seed+1, ...)' + default)
-    add('--batch-size', type=int,
-        help=f"images per step, a multiple of {HYP['bn_split_size']} (the ghost batch norm's "
-             f"split) (default: {HYP['batch_size']}, --tiny {TINY['batch_size']})")
-    add('--data-dir', default='./data',
-        help=f'holds {BATCHES_DIR}/ (or is that folder), downloaded if missing' + default)
+    parser = argparse.ArgumentParser(description=doc[0].split('\n')[0], allow_abbrev=False,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog=f'examples:\n{doc[1]}\n\nREADME.md says more.')
+    add = parser.add_argument
+    add('--epochs', type=int, help=f"(default: {HYP['epochs']}, --tiny {TINY['epochs']})")
+    add('--runs', type=int, default=1, help='runs, with seeds seed, seed+1, ... (default: 1)')
+    add('--batch-size', type=int, help=f"a multiple of {HYP['bn_split_size']} "
+        f"(default: {HYP['batch_size']}, --tiny {TINY['batch_size']})")
+    add('--data-dir', default='./data', help=f'holds {BATCHES_DIR}/, or will (default: ./data)')
     add('--data-url', default=os.environ.get('CIFAR10_URL') or CIFAR10_URL,
-        help='where to download the archive from (a mirror; also the CIFAR10_URL environment '
-             'variable); its md5 must be the official one; default: the official address')
-    add('--device', default='auto',
-        help='auto (cuda, then mps, then cpu), cuda, cuda:N, mps, cpu' + default)
+        help='a mirror, also $CIFAR10_URL; its md5 must be the official one')
+    add('--device', default='auto', help='auto (cuda, mps, cpu), cuda, cuda:N, mps or cpu')
     add('--dtype', default='auto', choices=['auto', 'fp16', 'bf16', 'fp32'],
-        help='precision of everything but batch norm; auto: fp16 on cuda, fp32 elsewhere' + default)
-    add('--seed', type=int, default=0, help='seed of the first run' + default)
-    add('--cutout', type=int,
-        help=f"side of the cutout square; 0 for none (default: {HYP['cutout']})")
-    add('--tiny', action='store_true',
-        help=f"{TINY['train_images']} training and {TINY['test_images']} test images, channels "
-             f"{TINY['channels']}, {TINY['epochs']} epochs at batch {TINY['batch_size']}: an "
-             'install check')
-    add('--json', metavar='PATH', help="write every run's per-epoch rows and the summary as JSON")
-    add('--log-tsv', metavar='PATH',
-        help='write a DAWNBench TSV (epoch, hours, top1Accuracy); one block of rows per run')
-    add('--save', metavar='PATH',
-        help="save the last finished run's EMA model, with what it takes to rebuild it")
-    add('--resume', metavar='PATH',
-        help='continue the job whose --json file this is: its finished runs are read back, the '
-             'rest run, and the file is updated after each (give the same options as that job; '
-             'with --json OTHER the whole job goes to OTHER instead)')
-    add('--compare', nargs=2, metavar=('A.json', 'B.json'),
-        help="compare two jobs' --json files (B - A, Welch's t); trains nothing")
+        help='auto: fp16 on cuda, else fp32')
+    add('--seed', type=int, default=0, help='seed of the first run (default: 0)')
+    add('--cutout', type=int, help=f"side of a zeroed square (default: {HYP['cutout']}: none)")
+    add('--tiny', action='store_true', help='an install check: a subset, a narrow net, seconds')
+    add('--json', metavar='PATH', help="write the job: every run's rows, the summary")
+    add('--log-tsv', metavar='PATH', help='write a DAWNBench TSV, one block of rows per run')
+    add('--save', metavar='PATH', help="save the last finished run's EMA model")
+    add('--resume', metavar='PATH', help='continue the job of this --json file, in it')
+    add('--compare', nargs=2, metavar=('A.json', 'B.json'), help='compare two jobs; trains nothing')
     add('--gpu-price', type=float, metavar='USD_PER_HOUR', help='also report the cost per run')
-    add('--compile', action=argparse.BooleanOptionalAction, default=None,
-        help='torch.compile the training and evaluation passes (outside the timed runs); default: '
-             'on for cuda and cpu, off for mps and for --tiny')
+    add('--compile', action=argparse.BooleanOptionalAction, help='(default: on, but mps, --tiny)')
     add('--spread', choices=['batches', 'runs'], default='batches',
-        help='under torchrun: split each batch over the ranks (data parallel), or give each rank '
-             'whole runs of its own (a job of many runs on many GPUs)' + default)
-    add('--peak-tflops', type=float, metavar='TFLOPS',
-        help="the device's peak, for the model-FLOP utilisation (known GPUs are in PEAK_TFLOPS)")
-    return p.parse_args(argv)
+        help='torchrun: split each batch over the ranks, or give each rank whole runs')
+    add('--peak-tflops', type=float, metavar='TFLOPS', help="the device's peak, for the MFU")
+    return parser.parse_args(argv)
 
 
 def in_notebook_cell():
@@ -1429,51 +1373,50 @@ def in_notebook_cell():
     return os.path.basename(sys.argv[0]).endswith('kernel_launcher.py')
 
 
+def output_problem(path, must_be_new, paths):
+    """Why a job cannot write path (the OS's reason where it gives one), or None: one probe."""
+    if not path:
+        return 'an empty path (an unset shell variable?): give a file name'
+    if os.path.isdir(path):
+        return 'a folder: give a file name'
+    if paths.count(os.path.realpath(path)) > 1:
+        return "another output's path too: give each its own"
+    if must_be_new and os.path.exists(path):
+        return 'exists, and a new job overwrites no file: give another path, or delete it'
+    try:  # every file is written through a temporary file beside it
+        tempfile.TemporaryFile(dir=os.path.dirname(path) or '.').close()
+    except OSError as e:
+        return f'cannot write in its folder ({e.strerror})'
+    return None
+
+
 def check_options(args, hyp, world):
-    """Refuse, before any work, the options that cannot make a sensible run."""
-    price, peak = args.gpu_price, args.peak_tflops
-    for flag, value, sensible, must in (
-            ('--epochs', hyp['epochs'], hyp['epochs'] >= 1, 'be at least 1'),
-            ('--runs', args.runs, args.runs >= 1, 'be at least 1'),
-            ('--cutout', hyp['cutout'], 0 <= hyp['cutout'] <= 32, 'be between 0 and 32 pixels'),
-            ('--gpu-price', price, price is None or price >= 0, 'not be negative'),
-            ('--peak-tflops', peak, peak is None or peak > 0, 'be positive')):
+    """Refuse, before any work, what cannot make a sensible run: one line, '--option value: why'."""
+    price, peak, batch = args.gpu_price, args.peak_tflops, hyp['batch_size']
+    split = world * hyp['bn_split_size']  # each rank takes whole splits of ghost batch norm
+    ranks = f" x {world} ranks" if world > 1 else ''
+    checks = [('--epochs', hyp['epochs'], hyp['epochs'] >= 1, 'must be at least 1'),
+              ('--runs', args.runs, args.runs >= 1, 'must be at least 1'),
+              ('--batch-size', batch, batch > 0 and batch % split == 0, 'must be a positive '
+               f"multiple of {split} (ghost batch norm's split of {hyp['bn_split_size']}{ranks})"),
+              ('--cutout', hyp['cutout'], 0 <= hyp['cutout'] <= 32, 'must be 0 to 32 pixels'),
+              ('--gpu-price', price, price is None or price >= 0, 'must not be negative'),
+              ('--peak-tflops', peak, peak is None or peak > 0, 'must be positive'),
+              ('--json', args.json, args.json is None or args.resume is None,
+               '--resume goes on writing its own file: give --resume alone')]
+    outputs = dict(json=args.json, resume=args.resume, log_tsv=args.log_tsv, save=args.save)
+    paths = [os.path.realpath(path) for path in outputs.values() if path]
+    for name, path in outputs.items():
+        if path is not None:
+            problem = output_problem(path, name in ('log_tsv', 'save') and not args.resume, paths)
+            checks.append((f"--{name.replace('_', '-')}", path, problem is None, problem))
+    for flag, value, sensible, why in checks:
         if not sensible:
-            raise UserError(f'{flag} must {must}, not {value}')
-    split = hyp['bn_split_size']
-    if hyp['batch_size'] <= 0 or hyp['batch_size'] % (world * split):
-        ranks = f' over {world} ranks (each takes a share of whole splits)' if world > 1 else ''
-        raise UserError(f"--batch-size must be a positive multiple of {world * split}{ranks}, "
-                        f"as ghost batch norm splits batches into {split} images; not "
-                        f"{hyp['batch_size']}")
-    for flag in ('--json', '--resume', '--log-tsv', '--save'):
-        if getattr(args, flag[2:].replace('-', '_')) == '':  # it would write nothing, silently
-            raise UserError(f'{flag} is an empty path (an unset shell variable?): give a file name')
-    outputs = {'--json' if args.json else '--resume': args.json or args.resume,  # both written
-               '--log-tsv': args.log_tsv, '--save': args.save}
-    outputs = {flag: Path(path) for flag, path in outputs.items() if path}
-    for flag, path in outputs.items():  # 50 runs must not end in a FileNotFoundError
-        if path.is_dir():
-            raise UserError(f'{flag} {path} is a folder: give a file name')
-        if not path.parent.is_dir():
-            raise UserError(f'{flag} {path}: the folder {path.parent} does not exist')
-        try:
-            tempfile.TemporaryFile(dir=path.parent).close()
-        except OSError as e:
-            raise UserError(f'{flag} {path}: cannot write in {path.parent} ({e.strerror})') \
-                from None
-        same = [other for other in outputs
-                if other != flag and outputs[other].resolve() == path.resolve()]
-        if same:
-            raise UserError(f'{flag} {path} is also the file of {same[0]}: give each its own')
-        if flag in ('--log-tsv', '--save') and path.exists() and not args.resume:
-            raise UserError(f'{flag} {path} exists, and a new job overwrites no file: give another '
-                            'path, or delete it')
+            raise UserError(f'{flag} {value!r}: {why}')
 
 
 def prepare_data(args, hyp, local_rank, world):
-    """Load (downloading if needed) the data, or the --tiny subset; one rank per machine downloads
-    while the others wait."""
+    """The data (the --tiny subset); one rank a machine downloads it if missing, the others wait."""
     if world > 1 and local_rank != 0:
         dist.barrier()
     folder = ensure_cifar10(args.data_dir, args.data_url, CIFAR10_MD5)
@@ -1481,11 +1424,10 @@ def prepare_data(args, hyp, local_rank, world):
         dist.barrier()
     data = load_cifar10(folder)
     if args.tiny:
-        for split in ('train', 'test'):
-            for key in (f'{split}_images', f'{split}_labels'):
-                data[key] = data[key][:hyp[f'{split}_images']]
+        for key in ('train_images', 'train_labels', 'test_images', 'test_labels'):
+            data[key] = data[key][:hyp[key.replace('labels', 'images')]]
     if hyp['batch_size'] > len(data['train_images']):
-        raise UserError(f"--batch-size {hyp['batch_size']} is larger than the "
+        raise UserError(f"--batch-size {hyp['batch_size']}: larger than the "
                         f"{len(data['train_images'])} training images")
     return data
 
