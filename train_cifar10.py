@@ -713,22 +713,28 @@ def compiled_warm_up(data, hyp, device, dtype, compiled, channels_last, log):
     """Build, compile if asked and warm up the networks; returns them and whether compiled. Ranks
     that split batches all train eager if compilation fails on one (else collectives would hang)."""
     networks = Networks(hyp, device, dtype, compiled, channels_last)
-    if compiled:
-        rank, _, world = torchrun_ranks()
-        on_rank, start, failure = f' on rank {rank}' if world > 1 else '', time.perf_counter(), None
-        try:
-            disagreement = compile_passes(networks, data, hyp, device)
+    if compiled:  # the training step, checked against eager, then the flip-TTA pass
+        start, failure, batch = time.perf_counter(), None, hyp['batch_size'] // rank_and_world()[1]
+        images = normalise(data['train_images'][:hyp['whitening_images']], device, torch.float32)
+        x = normalise(data['train_images'][:batch], device, dtype)
+        y = torch.from_numpy(data['train_labels'][:batch]).to(device)
+        try:  # at a run's shapes and first weights; no collective (no_sync): no rank waits
+            networks.reinitialise(whitening_filters(images, hyp['whitening_eps']), seed=0)
+            with networks.parallel.no_sync() if SPLIT_BATCHES else contextlib.nullcontext():
+                disagreement = compiled_step_disagreement(
+                    networks, x.contiguous(memory_format=networks.memory_format), y, hyp)
             if disagreement:
-                failure = (f"torch.compile's training step disagrees with eager{on_rank} "
-                           f'({disagreement}): training eager instead')
-        except Exception as e:
-            if any(isinstance(c, (torch.cuda.OutOfMemoryError, dist.DistError)) for c in causes(e)):
-                raise  # eager would fail the same way
-            failure = compile_failure_line(e, on_rank)
+                failure = (f"torch.compile's training step disagrees with eager ({disagreement}): "
+                           'training eager instead')
+            else:  # a full batch and the last
+                evaluate(networks, *test_set(data, networks, hyp, last_batches=2), hyp)
+        except Exception as error:
+            failure = compile_failure_line(error)
         if sum_over_ranks(torch.tensor(float(failure is not None), device=device))[0]:
+            rank, _, world = torchrun_ranks()
             if failure or rank == 0:  # every rank that failed says why, rank 0 for the others
-                print(failure or 'torch.compile failed on another rank (its line says why): every '
-                      'rank trains eager instead', flush=True)
+                failure = failure or 'torch.compile failed on another rank: every rank trains eager'
+                print(f'rank {rank}: {failure}' if world > 1 else failure, flush=True)
             networks, compiled = Networks(hyp, device, dtype, False, channels_last), False
         else:
             log(f'torch.compile: {time.perf_counter() - start:.1f} s, and its training step '
@@ -737,30 +743,13 @@ def compiled_warm_up(data, hyp, device, dtype, compiled, channels_last, log):
     return networks, compiled
 
 
-def compile_passes(networks, data, hyp, device):
-    """Compile the training step and flip-TTA pass at the runs' shapes and check the step against
-    eager's; returns what disagreed, or None. No collective runs (no_sync): no rank waits on it."""
-    b = hyp['batch_size'] // rank_and_world()[1]
-    images = normalise(data['train_images'][:hyp['whitening_images']], device, torch.float32)
-    networks.reinitialise(whitening_filters(images, hyp['whitening_eps']), seed=0)  # a run's first
-    x = normalise(data['train_images'][:b], device, networks.dtype)
-    x = x.contiguous(memory_format=networks.memory_format)
-    y = torch.from_numpy(data['train_labels'][:b]).to(device)
-    with networks.parallel.no_sync() if SPLIT_BATCHES else contextlib.nullcontext():
-        disagreement = compiled_step_disagreement(networks, x, y, hyp)
-    networks.network.zero_grad()
-    if not disagreement:  # the flip-TTA pass at a run's shapes: a full batch, the last
-        evaluate(networks, *test_set(data, networks, hyp, last_batches=2), hyp)
-    return disagreement
-
-
 def compiled_step_disagreement(networks, x, y, hyp):
-    """None if the compiled step's loss and gradients on this batch are eager's to within rounding:
-    4 times eager's distance from exact values (float64; fp32 for fp16 and bf16), at least 4 times
-    their median (README: the compiled step's check); else which disagreed, and by how much."""
+    """None if the compiled step's loss and gradients on this batch are eager's to within rounding
+    (README: the compiled step's check); else which one disagreed, and by how much."""
+    # A tensor's rounding is eager's distance from a wider reference (float64; fp32 for fp16 and
+    # bf16): the compiled tensor may differ from eager's by 4 times it, or 4 times their median.
     wide = torch.float64 if networks.dtype in (torch.float32, torch.float64) else torch.float32
-    exact_on = torch.device('cpu') if x.device.type == 'mps' and wide == torch.float64 else x.device
-    exact_net = copy.deepcopy(networks.network).to(exact_on, wide)
+    wide_on = torch.device('cpu') if x.device.type == 'mps' and wide == torch.float64 else x.device
 
     def loss_and_gradients(model, loss_function, images):
         model.zero_grad()  # every .grad to None
@@ -769,21 +758,21 @@ def compiled_step_disagreement(networks, x, y, hyp):
         grads = [p.grad for p in model.parameters() if p.requires_grad]
         return [t.detach().cpu().double() for t in [loss, *grads]]
 
-    names = ['the loss'] + [f"{name}'s gradient" for name, p in networks.network.named_parameters()
-                            if p.requires_grad]
-    exact = loss_and_gradients(exact_net, summed_loss, x.to(exact_on, wide))
-    del exact_net
-    torch.cuda.empty_cache()  # the reference's memory back, before the runs (no-op without CUDA)
+    reference = loss_and_gradients(copy.deepcopy(networks.network).to(wide_on, wide), summed_loss,
+                                   x.to(wide_on, wide))
     eager = loss_and_gradients(networks.parallel, summed_loss, x)
     compiled = loss_and_gradients(networks.parallel, networks.summed_loss, x)
-    if not all(torch.isfinite(t).all() for t in eager + exact):
+    if not all(torch.isfinite(t).all() for t in eager + reference):
         return None  # nothing to judge by: eager training will meet the same NaN, and say so
-    size = [float(t.norm()) or 1.0 for t in exact]
-    eager_error = [float((e - t).norm()) / n for e, t, n in zip(eager, exact, size)]
-    floor = float(np.median(eager_error))
-    for name, c, e, n, error in zip(names, compiled, eager, size, eager_error):
-        gap, bound = float((c - e).norm()) / n, 4 * max(error, floor)
-        if not torch.isfinite(c).all():
+    sizes = [float(t.norm()) or 1.0 for t in reference]
+    rounding = [float((ours - exact).norm()) / size
+                for ours, exact, size in zip(eager, reference, sizes)]
+    floor = float(np.median(rounding))
+    names = ['the loss'] + [f"{name}'s gradient" for name, p in networks.network.named_parameters()
+                            if p.requires_grad]
+    for name, got, expected, size, error in zip(names, compiled, eager, sizes, rounding):
+        gap, bound = float((got - expected).norm()) / size, 4 * max(error, floor)
+        if not torch.isfinite(got).all():
             return f'{name} is not finite'
         if gap > bound:
             return (f'{name} differs from eager by {gap:.2g} of its size, beyond the {bound:.2g} '
@@ -791,29 +780,25 @@ def compiled_step_disagreement(networks, x, y, hyp):
     return None
 
 
-def causes(error):
-    """error, then what it wraps: torch.compile's inner_exception, or raise ... from's cause."""
-    while error is not None:
-        yield error
-        error = getattr(error, 'inner_exception', None) or error.__cause__
-
-
-def compile_failure_line(error, on_rank):
-    """Why a compilation failed, in one line: the innermost message, a damaged cache to delete."""
-    chain = list(causes(error))
-    root = next((e for e in reversed(chain) if str(e).strip()), chain[-1])
+def compile_failure_line(error):
+    """Why a compilation failed, in one line, naming a damaged cache to delete. An error that eager
+    would meet too (out of memory, a lost rank) is raised instead."""
+    chain, inner = [], error  # error, then what it wraps: inductor's inner_exception, or a cause
+    while inner is not None:
+        chain.append(inner)
+        inner = getattr(inner, 'inner_exception', None) or inner.__cause__
+    if any(isinstance(link, (torch.cuda.OutOfMemoryError, dist.DistError)) for link in chain):
+        raise error
+    root = next((link for link in reversed(chain) if str(link).strip()), chain[-1])
     reason = f'{type(root).__name__}: {str(root).strip()}'.splitlines()[0][:200]
     from torch._inductor.runtime.cache_dir_utils import cache_dir
     hint = (f'; {cache_dir()} may hold a file of an interrupted compilation: delete it to compile '
-            'again' if any(cache_dir() in str(e) for e in chain) else '')
-    return f'torch.compile failed{on_rank} ({reason}): training eager instead{hint}'
+            'again' if any(cache_dir() in str(link) for link in chain) else '')
+    return f'torch.compile failed ({reason}): training eager instead{hint}'
 
 
-# ==== torchrun: one rank of a process group =====================================================
-# Two ways to use the ranks: each batch split over them (data parallel, the default), or whole runs
-# spread over them (--spread runs). The helpers that split a batch do nothing in one process, nor
-# when whole runs are spread.
-SPLIT_BATCHES = False  # set by join_process_group: are the ranks splitting each batch?
+# ==== torchrun: the ranks split each batch (the default) or train whole runs (--spread runs) ====
+SPLIT_BATCHES = False  # set by join_process_group; the helpers that split a batch act only then
 
 
 def torchrun_ranks():
@@ -862,12 +847,11 @@ def data_parallel(net, device):
 @torch.no_grad()
 def average_over_ranks(tensors):
     """Replace each tensor by its mean over the ranks, in one all-reduce (none in one process)."""
-    if not SPLIT_BATCHES:
-        return
-    flat = torch.cat([t.flatten() for t in tensors]) / dist.get_world_size()
-    dist.all_reduce(flat)
-    for t, mean in zip(tensors, flat.split([t.numel() for t in tensors])):
-        t.copy_(mean.view_as(t))
+    if SPLIT_BATCHES:
+        flat = torch.cat([t.flatten() for t in tensors]) / dist.get_world_size()
+        dist.all_reduce(flat)
+        for t, mean in zip(tensors, flat.split([t.numel() for t in tensors])):
+            t.copy_(mean.view_as(t))
 
 
 def sum_over_ranks(*values):
@@ -935,17 +919,17 @@ def table_row(row):
 
 def header_lines(hyp, data, device, dtype, seed, flops, peak, world, fp32_math=None, spread=False):
     """What a log says before its first row: version, device, ranks, settings, data, FLOPs."""
-    split = world > 1 and not spread
-    share = ('each training whole runs' if spread else
-             f"{hyp['batch_size'] // world} images each per step")
-    ranks = f' | {world} ranks ({dist.get_backend()}), {share}' if world > 1 else ''
-    peak = (f' | peak {peak:g} TFLOP/s' + (f' x {world}' if split else '')) if peak else ''
-    fp32 = f'; {fp32_math}' if fp32_math else ''
-    tflop = {k: f'{v / 1e12:.4g} TFLOP' for k, v in flops.items() if k != 'steps'}
-    return [f'train_cifar10.py {script_hash()} | torch {torch.__version__} | '
-            f'{device_description(device)}{ranks}',
-            f"dtype {str(dtype).replace('torch.', '')} (batch norm fp32, EMA fp32{fp32}) | seed "
-            f"{seed} | {len(data['train_images'])} train / {len(data['test_images'])} test images",
+    device, peak = device_description(device), f' | peak {peak:g} TFLOP/s' if peak else ''
+    if world > 1:
+        share = ('each training whole runs' if spread else
+                 f"{hyp['batch_size'] // world} images each per step")
+        device += f' | {world} ranks ({dist.get_backend()}), {share}'
+        peak += f' x {world}' if peak and not spread else ''
+    tflop = {key: f'{value / 1e12:.4g} TFLOP' for key, value in flops.items()}
+    return [f'train_cifar10.py {script_hash()} | torch {torch.__version__} | {device}',
+            f"dtype {str(dtype).replace('torch.', '')} (batch norm fp32, EMA fp32"
+            f"{'; ' + fp32_math if fp32_math else ''}) | seed {seed} | "
+            f"{len(data['train_images'])} train / {len(data['test_images'])} test images",
             *textwrap.wrap(', '.join(f'{k}={v}' for k, v in hyp.items()), 100,
                            initial_indent='hyperparameters: ', subsequent_indent='    ',
                            break_long_words=False),
@@ -963,8 +947,7 @@ def summarize(runs, gpu_price=None, count_94=True, flops=None, peak=None, world=
     summary = dict(runs=len(runs), finished=len(finished), failed=len(runs) - len(finished))
     if not finished:
         return summary
-    acc = np.array([r['accuracy'] for r in finished])
-    times = np.array([r['time_s'] for r in finished])
+    acc, times = (np.array([r[key] for r in finished]) for key in ('accuracy', 'time_s'))
     summary.update(acc_mean=acc.mean(), acc_min=acc.min(), acc_median=float(np.median(acc)),
                    acc_max=acc.max(), time_mean_s=times.mean(),
                    time_median_s=float(np.median(times)), time_max_s=times.max())
@@ -983,49 +966,49 @@ def summarize(runs, gpu_price=None, count_94=True, flops=None, peak=None, world=
     return summary  # numpy's floats are Python floats, to json too
 
 
-def summary_lines(s):
-    failed = f", {s['failed']} failed (the loss became NaN)" if s['failed'] else ''
-    ran = s['runs'] - s.get('read_back', 0)
-    read_back = (f" ({s['read_back']} read back from {s['resumed_from']}"
-                 + (f', {ran} run now)' if ran else ')') if s.get('read_back') else '')
-    lines = [f"runs: {s['finished']} finished{failed}{read_back}"]
-    if not s['finished']:
+def summary_lines(summary):
+    """The log's last lines: the runs, their accuracy and time, the job's pace, cost and FLOPs."""
+    def percent(*keys):
+        return ' / '.join(f'{100 * summary[key]:.2f}' for key in keys)
+    finished, ran = summary['finished'], summary['runs'] - summary.get('read_back', 0)
+    notes = f", {summary['failed']} failed (the loss became NaN)" if summary['failed'] else ''
+    if summary.get('read_back'):
+        now = f', {ran} run now' if ran else ''
+        notes += f" ({summary['read_back']} read back from {summary['resumed_from']}{now})"
+    lines = [f'runs: {finished} finished{notes}']
+    if not finished:
         return lines + ['no run finished: no statistics']
-    if s['finished'] == 1:
-        lines += [f"accuracy (flip-TTA, EMA): {100 * s['acc_mean']:.2f} % (one run: no standard "
-                  'deviation)', f"time of the run: {s['time_mean_s']:.2f} s"]
-        if 'reached_94' in s:
-            lines.append(f"reached 94%: {'yes' if s['reached_94'] else 'no'}")
-    else:
-        low, high = s['acc_ci95']
-        interval = (f'[{100 * low:.2f}, {100 * high:.2f}] %' if 0 <= low and high <= 1 else
-                    f"too few runs ({s['finished']}) for one: it would reach beyond 0-100 %")
-        reached = (f";  runs >= 94%: {s['reached_94']} of {s['finished']}" if 'reached_94' in s
-                   else '')
-        lines += [f"accuracy (flip-TTA, EMA): mean {100 * s['acc_mean']:.2f} %, "
-                  f"standard deviation {100 * s['acc_std']:.2f} %",
-                  f'95% confidence interval of the mean: {interval}',
-                  f"min / median / max: {100 * s['acc_min']:.2f} / {100 * s['acc_median']:.2f} / "
-                  f"{100 * s['acc_max']:.2f} %{reached}",
-                  f"time per run: mean {s['time_mean_s']:.2f} s, median "
-                  f"{s['time_median_s']:.2f} s, max {s['time_max_s']:.2f} s"]
-    if 'runs_per_hour' in s:
-        ranks = f" over {s['ranks']} ranks" if s['ranks'] > 1 else ''
-        lines.append(f"job: {ran} run{'s' * (ran != 1)} in {s['wall_s']:.1f} s of "
-                     f"wall time after the warm-up{ranks}, {s['runs_per_hour']:.0f} runs an hour")
-    if 'cost_per_run_usd' in s:
-        lines.append(f"cost per run: ${s['cost_per_run_usd']:.5f}")
-    if 'tflops_per_s' in s:
-        mfu = f", model-FLOP utilisation {100 * s['mfu']:.1f} %" if 'mfu' in s else ''
-        rate = (f"{s['tflops_per_s']:.2f} TFLOP/s" if s['tflops_per_s'] >= 1 else
-                f"{1000 * s['tflops_per_s']:.3g} GFLOP/s")
-        lines.append(f"achieved: {rate} of model FLOPs per run{mfu}")
-    if 'peak_memory_gb' in s:
-        lines.append(f"peak GPU memory: {s['peak_memory_gb']:.2f} GB")
+    spread = (f"standard deviation {percent('acc_std')} %" if finished > 1 else
+              'one run: no standard deviation')
+    lines.append(f"accuracy (flip-TTA, EMA): mean {percent('acc_mean')} %, {spread}")
+    if finished > 1:
+        low, high = summary['acc_ci95']
+        lines.append('95% confidence interval of the mean: ' + (
+            f'[{100 * low:.2f}, {100 * high:.2f}] %' if 0 <= low and high <= 1 else
+            f'too few runs ({finished}) for one: it would reach beyond 0-100 %'))
+    reached = (f";  runs >= 94%: {summary['reached_94']} of {finished}"
+               if 'reached_94' in summary else '')
+    lines += [f"min / median / max: {percent('acc_min', 'acc_median', 'acc_max')} %{reached}",
+              'time per run: mean {time_mean_s:.2f} s, median {time_median_s:.2f} s, max '
+              '{time_max_s:.2f} s'.format(**summary)]
+    if 'runs_per_hour' in summary:
+        ranks = f" over {summary['ranks']} ranks" if summary['ranks'] > 1 else ''
+        lines.append(f"job: {ran} run{'s' * (ran != 1)} in {summary['wall_s']:.1f} s of wall time "
+                     f"after the warm-up{ranks}, {summary['runs_per_hour']:.0f} runs an hour")
+    if 'cost_per_run_usd' in summary:
+        lines.append(f"cost per run: ${summary['cost_per_run_usd']:.5f}")
+    if 'tflops_per_s' in summary:
+        rate = summary['tflops_per_s']
+        rate = f'{rate:.2f} TFLOP/s' if rate >= 1 else f'{1000 * rate:.3g} GFLOP/s'
+        mfu = f", model-FLOP utilisation {100 * summary['mfu']:.1f} %" if 'mfu' in summary else ''
+        lines.append(f'achieved: {rate} of model FLOPs per run{mfu}')
+    if 'peak_memory_gb' in summary:
+        lines.append(f"peak GPU memory: {summary['peak_memory_gb']:.2f} GB")
     return lines
 
 
 def device_description(device):
+    """The device as the header and a job's identity name it: a CPU's kernels and threads too."""
     if device.type == 'cuda':
         return (f'{torch.cuda.get_device_name(device)}, CUDA {torch.version.cuda}, '
                 f'cuDNN {torch.backends.cudnn.version()}')
@@ -1068,40 +1051,31 @@ def count_flops(hyp, n_train, n_test):
                 evaluation=evaluation)
 
 
-# Dense fp16/bf16 tensor-core peaks in TFLOP/s (fp32 accumulation, no sparsity) from NVIDIA's
-# datasheets, which quote twice these "with sparsity", and architecture whitepapers. The first
-# name found as a word in torch.cuda.get_device_name() wins, so a variant precedes its family.
+# Dense fp16/bf16 tensor-core peaks in TFLOP/s (fp32 accumulation; datasheets quote twice these
+# "with sparsity") of the GPUs people rent for this; --peak-tflops gives another's. A pattern is the
+# whole name torch.cuda.get_device_name() gives, less its maker's words: a variant not listed (H100
+# NVL, V100 PCIe, a laptop's RTX 4090) gets no figure rather than its family's.
 PEAK_TFLOPS = (
-    ('H100 PCIe', 756),     # H100 datasheet: 1,513 with sparsity
-    ('H100 NVL', 835),      # H100 NVL datasheet: 1,671 with sparsity
-    ('H100', 989),          # H100 SXM datasheet: 1,979 with sparsity
-    ('H200 NVL', 835),      # H200 datasheet, NVL (PCIe) column: 1,671 with sparsity
-    ('H200', 989),          # H200 datasheet, SXM column: 1,979 with sparsity
-    ('GH200', 989),         # GH200 Grace Hopper datasheet: 1,979 with sparsity
-    ('A100', 312),          # A100 datasheet: 624 with sparsity
-    ('A10G', 70),           # AWS's A10 variant, no NVIDIA datasheet: AWS's and clouds' sheets
-    ('A10', 125),           # A10 datasheet: 250 with sparsity
-    ('L40S', 362),          # L40S datasheet: 362.05 (733 with sparsity)
-    ('L4', 121),            # L4 datasheet: 242 with sparsity
-    ('V100S', 130),         # V100S PCIe datasheet
-    ('V100-PCIE', 112),     # V100 datasheet, PCIe card
-    ('V100', 125),          # V100 datasheet, SXM2
-    ('T4', 65),             # T4 datasheet, mixed fp16/fp32
-    ('RTX 4090', 165),      # Ada (AD102) whitepaper, fp32 accumulate; 330 with fp16 accumulate
-    ('RTX 3090 Ti', 80),    # GeForce page: 320 sparse, fp16 accumulate; fp32 accumulate: half
-    ('RTX 3090', 71),       # Ampere GA102 whitepaper, fp32 accumulate; 142 with fp16 accumulate
+    (r'H100 \d+GB HBM3', 989),  # H100 SXM datasheet: 1,979 with sparsity
+    ('H100 PCIe', 756),         # H100 datasheet: 1,513 with sparsity
+    ('H200', 989),              # H200 datasheet, SXM column: 1,979 with sparsity
+    (r'A100\b.*', 312),         # A100 datasheet (SXM and PCIe, 40 and 80 GB): 624 with sparsity
+    ('L40S', 362),              # L40S datasheet: 362.05 (733 with sparsity)
+    ('L4', 121),                # L4 datasheet: 242 with sparsity
+    ('A10G', 70),               # AWS's A10 variant, no NVIDIA datasheet: AWS's and clouds' sheets
+    ('T4', 65),                 # T4 datasheet, mixed fp16/fp32
+    (r'V100-SXM2-\d+GB', 125),  # V100 datasheet, SXM2
+    ('RTX 4090', 165),          # Ada (AD102) whitepaper, fp32 accumulate; 330 with fp16 accumulate
 )
 
 
 def peak_tflops(device, dtype, given=None):
     """The --peak-tflops given, else the table's figure for a known GPU training in fp16 or bf16."""
-    if given:
+    if given or device.type != 'cuda' or dtype not in (torch.float16, torch.bfloat16):
         return given
-    if device.type != 'cuda' or dtype not in (torch.float16, torch.bfloat16):
-        return None
     name = torch.cuda.get_device_name(device)
-    return next((peak for key, peak in PEAK_TFLOPS if re.search(rf'\b{re.escape(key)}\b', name)),
-                None)
+    return next((peak for pattern, peak in PEAK_TFLOPS
+                 if re.fullmatch(rf'(NVIDIA |Tesla |GeForce )*{pattern}', name)), None)
 
 
 # ==== Statistics: the t distribution, Welch's comparison, the runs a comparison needs ==========
