@@ -458,13 +458,18 @@ def test_flop_count_equals_a_count_by_hand():
     ('NVIDIA H100 NVL', None), ('NVIDIA H200 NVL', None), ('NVIDIA GH200 480GB', None), ('NVIDIA A10', None),
     ('NVIDIA L40', None), ('Tesla V100-PCIE-32GB', None), ('Tesla V100S-PCIE-32GB', None),
     ('NVIDIA GeForce RTX 4090 Laptop GPU', None), ('NVIDIA GeForce RTX 3080', None),
+    ('NVIDIA A100-SXM4-40GB MIG 1g.5gb', None),                  # a slice of a GPU
 ])
 def test_peak_of_a_known_gpu_by_its_name(monkeypatch, name, peak):
     monkeypatch.setattr(torch.cuda, 'get_device_name', lambda device: name)
     cuda = torch.device('cuda')
-    assert T.peak_tflops(cuda, torch.float16) == peak and T.peak_tflops(cuda, torch.bfloat16) == peak
+    for capability in (8, 9):
+        monkeypatch.setattr(torch.cuda, 'get_device_capability', lambda device: (capability, 0))
+        assert T.peak_tflops(cuda, torch.float16) == peak and T.peak_tflops(cuda, torch.bfloat16) == peak
     assert T.peak_tflops(cuda, torch.float32) is None             # the table is for fp16/bf16
     assert T.peak_tflops(cuda, torch.float32, given=400.0) == 400.0
+    monkeypatch.setattr(torch.cuda, 'get_device_capability', lambda device: (7, 5))
+    assert T.peak_tflops(cuda, torch.bfloat16) is None            # a T4 or V100 emulates bf16
 
 
 def test_achieved_tflops_and_mfu_by_hand():
@@ -816,7 +821,7 @@ def test_generated_and_protocol_2_pickles_load_with_their_labels(tmp_path):
 @pytest.mark.parametrize('damage, message', [
     (lambda p: p.write_bytes(p.read_bytes()[:len(p.read_bytes()) // 2]), r'cannot be read as a CIFAR-10 batch \(UnpicklingError'),
     (lambda p: p.write_bytes(b'\x00' * 100), r'cannot be read as a CIFAR-10 batch \(UnpicklingError'),
-    (lambda p: p.unlink(), r'cannot be read as a CIFAR-10 batch \(No such file or directory\): .* is not a whole'),
+    (lambda p: p.unlink(), r'is missing: .* is not a complete CIFAR-10 python copy$'),   # no "delete"
     (lambda p: write_batch(p, np.zeros((5, 3, 32, 31), np.uint8), [0] * 5, 'x'), 'not uint8 rows of 3 x 32 x 32'),
     (lambda p: write_batch(p, np.zeros((5, 3, 32, 32), np.uint8), [0, 1, 2, 3, 10], 'x'), 'each with a label 0-9'),
     (lambda p: write_batch(p, np.zeros((5, 3, 32, 32), np.uint8), [0] * 4, 'x'), 'each with a label 0-9'),
@@ -939,7 +944,7 @@ def test_a_python_without_tarfiles_data_filter_is_told_to_upgrade(tmp_path, monk
         T.ensure_cifar10(tmp_path / 'data', (tmp_path / 'a.tar.gz').as_uri(), md5)
 
 
-def test_no_network_gives_one_clear_error_and_leaves_nothing(tmp_path, server):
+def test_no_network_gives_one_clear_error_and_leaves_no_archive_nor_part(tmp_path, server):
     url, files, _, _ = server
     with pytest.raises(T.UserError, match='cannot download .*404'):
         T.ensure_cifar10(tmp_path / 'data', url + '/missing.tar.gz')
@@ -1007,8 +1012,10 @@ def test_the_batches_folder_itself_works_as_data_dir_and_a_file_is_refused(tmp_p
     (['--batch-size', '2048'], '--batch-size 2048: larger than the 1000 training images'),
     (['--cutout', '40'], '--cutout 40: must be 0 to 32 pixels'),
     (['--device', 'tpu'], "--device 'tpu': not a device torch trains on here"),
-    (['--device', 'cuda:01'], "--device 'cuda:01': not a device"),     # torch.device refuses it
+    (['--device', 'cuda:x'], "--device 'cuda:x': not a device"),
     (['--device', 'cuda:128'], "--device 'cuda:128': not a device"),   # torch.device makes it cuda:-128
+    (['--device', 'cuda:255'], "--device 'cuda:255': not a device"),   # torch.device makes it cuda
+    (['--device', 'cpu:1'], "--device 'cpu:1': not a device"),
     (['--device', 'cuda'], 'sees no CUDA GPU(s)'),
     (['--gpu-price', '-1'], '--gpu-price -1.0: must not be negative'),
     (['--peak-tflops', '0'], '--peak-tflops 0.0: must be positive'),
@@ -1232,8 +1239,8 @@ def test_ctrl_c_at_any_stage_ends_cleanly(dataset, tmp_path, monkeypatch, capsys
 
 def test_ctrl_c_as_a_finished_job_ends_changes_nothing(finished_job, tmp_path, monkeypatch, capsys):
     """Ctrl-C after the last run, while the process group is left (seconds under NCCL): the summary
-    and status 0, no traceback."""
-    source, options = copy_of(finished_job[0], tmp_path)[0], finished_job[1]
+    and status 0, no traceback, the file as it was."""
+    (source, text), options = copy_of(finished_job[0], tmp_path), finished_job[1]
     no_training(monkeypatch)
     leave = T.leave_process_group
 
@@ -1247,7 +1254,7 @@ def test_ctrl_c_as_a_finished_job_ends_changes_nothing(finished_job, tmp_path, m
         assert T.main([*options, '--runs', '2', '--resume', str(source)]) == 0
     finally:
         signal.signal(signal.SIGINT, before)
-    assert 'runs: 2 finished' in capsys.readouterr().out
+    assert 'runs: 2 finished' in capsys.readouterr().out and source.read_bytes() == text
 
 
 def test_ctrl_c_during_a_download_leaves_no_part(tmp_path, monkeypatch, capsys):
@@ -1441,16 +1448,16 @@ def test_resume_refuses_a_file_that_is_not_a_job_of_its_own_in_one_line(finished
 
 def test_resume_of_a_finished_job_prints_its_tables_and_summary_and_trains_nothing(finished_job, monkeypatch,
                                                                                   capsys, tmp_path):
-    """It may rewrite its file, with the same runs; its --log-tsv gets every run's rows."""
-    source, options = copy_of(finished_job[0], tmp_path)[0], finished_job[1]
-    runs = T.read_job(source, '--resume')['runs']
+    """Its file stays as it is, its summary too; its --log-tsv gets every run's rows."""
+    source, text = copy_of(finished_job[0], tmp_path)
+    options, runs = finished_job[1], T.read_job(source, '--resume')['runs']
     no_training(monkeypatch)                                      # no warm-up, no run
     assert T.main([*options, '--runs', '2', '--resume', str(source), '--log-tsv', str(tmp_path / 'a.tsv')]) == 0
     out = capsys.readouterr().out
     assert out.count(f', read back from {source}') == 2 and 'untimed run' not in out
     assert out.count(T.table_line(T.COLUMNS)) == 2 and f'runs: 2 finished (2 read back from {source})\n' in out
     assert f"mean {100 * np.mean([r['accuracy'] for r in runs]):.2f} %" in out
-    assert T.read_job(source, '--resume')['runs'] == runs
+    assert source.read_bytes() == text
     rows = 1 + sum(len(r['rows']) for r in runs)                  # a TSV's lines: its header, a row an epoch
     assert len((tmp_path / 'a.tsv').read_text().splitlines()) == rows
 
@@ -1468,8 +1475,8 @@ def test_spread_runs_needs_json_and_keeps_a_ranks_runs_whose_job_file_is_gone(fi
     text = rank_file.read_bytes()
     assert T.main([*options, '--runs', '2', '--json', str(path)]) == 1
     assert capsys.readouterr().err == (f'error: --json {path} exists, or the .rank files a spread job left beside it '
-                                       f'do: a new job overwrites no job file; --resume {path} goes on with it or '
-                                       'adds runs, or give another path\n')
+                                       'do: a new job overwrites no file; give another path, or --resume '
+                                       f'{path} if it holds this job (it goes on, or adds runs)\n')
     assert rank_file.read_bytes() == text and not path.exists()
     assert T.main([*options, '--runs', '2', '--resume', str(path)]) == 0   # trains run 1 alone
     assert capsys.readouterr().out.count(f'read back from {path}') == 2   # the table's and the summary's
@@ -1660,19 +1667,20 @@ def test_compare_refuses_a_job_compared_with_itself(finished_job, tmp_path, caps
     shutil.copy(source, copy)
     for other in (source, copy):
         assert T.main(['--compare', str(source), str(other)]) == 1
-        assert f'and {other} hold the same runs (one job twice?)' in capsys.readouterr().err
+        assert f'and {other} hold the same runs (one job twice, or a copy of it?)' in capsys.readouterr().err
+    earlier = tmp_path / 'earlier.json'                           # a copy of it when it had 1 run
+    write_job(earlier, dict(json.loads(source.read_text()), runs=T.read_job(source, '--compare')['runs'][:1]))
+    assert T.main(['--compare', str(earlier), str(source)]) == 1
+    assert f'and {source} hold the same runs' in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------------------------
 # A job file is never lost or misread
 # ---------------------------------------------------------------------------------------------
-def copy_of(source, tmp_path, name='job.json', change=None):
-    """A copy of a job's file, changed by change(job) if given; returns its path and bytes."""
-    job = json.loads(source.read_text())
-    if change:
-        change(job)
+def copy_of(source, tmp_path, name='job.json'):
+    """A copy of a job's file; returns its path and bytes."""
     path = tmp_path / name
-    write_job(path, job)
+    shutil.copy(source, path)
     return path, path.read_bytes()
 
 
@@ -1687,8 +1695,8 @@ def test_json_on_a_job_file_refuses_to_overwrite_it(finished_job, tmp_path, monk
     for file in (path, notes):
         assert T.main([*finished_job[1], '--runs', '4', '--json', str(file)]) == 1
         assert capsys.readouterr().err == (f'error: --json {file} exists, or the .rank files a spread job left '
-                                           f'beside it do: a new job overwrites no job file; --resume {file} '
-                                           'goes on with it or adds runs, or give another path\n')
+                                           'beside it do: a new job overwrites no file; give another path, '
+                                           f'or --resume {file} if it holds this job (it goes on, or adds runs)\n')
     assert path.read_bytes() == text and notes.read_text() == 'my notes'
 
 
@@ -1755,16 +1763,19 @@ def test_a_second_job_on_the_same_file_is_refused_while_the_first_runs(finished_
         no_training(monkeypatch)
         assert T.main([*options, '--runs', '3', '--resume', str(path)]) == 1
         err = capsys.readouterr().err.strip()
-        assert err == (f'error: {path} is the file of a job that another process (id {holder.pid}) is '
-                       'running: wait for it to end, or give another path')
+        assert err == (f'error: {path} is the file of a job that another process is running: wait for it '
+                       'to end, or give another path')
         assert path.read_bytes() == text
     finally:
         holder.kill()
         holder.wait(timeout=60)
         holder.stdout.close()
     lock = T.hold_job_file(path)                                  # SIGKILL released the lock
-    assert (tmp_path / '.job.json.lock').read_text() == f'{os.getpid()}\n'
-    lock.close()
+    assert lock is not None and (tmp_path / '.job.json.lock').exists()
+    os.chmod(tmp_path / '.job.json.lock', 0o444)                  # another user's lock file: read-only
+    with pytest.raises(T.UserError, match='another process is running'):
+        T.hold_job_file(path)
+    os.close(lock)
 
 
 @pytest.mark.parametrize('argv, message', [

@@ -15,7 +15,7 @@ Read top to bottom: the hyperparameters, the recipe in a run's order, then below
 harness, whose rank helpers (rank_and_world, data_parallel, *_over_ranks, same_on_every_rank) do
 nothing in one process. Results and evidence: README.md.
 """
-import argparse, bisect, codecs, contextlib, copy, errno, hashlib, http.client, inspect, io
+import argparse, bisect, codecs, contextlib, copy, hashlib, http.client, inspect, io
 import json, math, os, pickle, platform, re, shutil, signal, sys, tarfile, tempfile, textwrap
 import threading, time, urllib.request, warnings
 from pathlib import Path
@@ -528,8 +528,7 @@ def download(url, archive, md5):
     partial = archive.with_name(f'.{archive.name}.{platform.node()}.part')
     try:
         with urllib.request.urlopen(url, timeout=60) as response, open(partial, 'wb') as out:
-            size = int(response.headers.get('Content-Length') or 0) / 1e6
-            print(f'downloading {url} ({size:.0f} MB)', file=sys.stderr)
+            print(f'downloading {url}', file=sys.stderr)
             shutil.copyfileobj(response, out, 1 << 20)
         got = hashlib.md5(partial.read_bytes()).hexdigest()
         if got != md5:
@@ -610,6 +609,9 @@ def load_cifar10(folder):
                     and classes.shape == (len(pixels),) and classes.dtype.kind in 'iu'
                     and 0 <= classes.min() and classes.max() < NUM_CLASSES):
                 raise ValueError('not uint8 rows of 3 x 32 x 32 pixels, each with a label 0-9')
+        except FileNotFoundError:  # a user's own folder, maybe: no advice to delete it
+            raise UserError(f'{path} is missing: {folder} is not a complete CIFAR-10 python '
+                            'copy') from None
         except Exception as e:  # a damaged pickle fails in many ways: EOFError, KeyError, ...
             why = e.strerror if isinstance(e, OSError) else f'{type(e).__name__}: {e}'
             raise UserError(f'{path} cannot be read as a CIFAR-10 batch ({why}): {folder} is not '
@@ -631,20 +633,17 @@ def pick_device(name, local_rank=None):
     """The training device. Under torchrun (local_rank given) each rank takes its own GPU."""
     mps, gpus = torch.backends.mps.is_available(), torch.cuda.device_count()
     if name == 'auto':
-        name = 'cuda' if gpus else 'mps' if mps else 'cpu'
-    try:
-        device = torch.device(name)
-    except RuntimeError:  # cuda:01, a name torch does not know
-        device = torch.device('meta')
-    if device.type == 'cuda' and local_rank is not None:
-        device = torch.device('cuda', local_rank)
-    usable = dict(cpu=True, cuda=0 <= (device.index or 0) < gpus,  # cuda:128 has index -128
-                  mps=mps and local_rank is None)  # ranks talk over NCCL (cuda) or gloo (cpu)
-    if not usable.get(device.type):
+        name = 'cuda' if torch.cuda.is_available() else 'mps' if mps else 'cpu'
+    kind, _, index = name.partition(':')  # not torch.device's parsing: cuda:128 is cuda:-128
+    if kind == 'cuda' and local_rank is not None:
+        index = str(local_rank)
+    usable = dict(cpu=not index, cuda=(index or '0').isdigit() and int(index or '0') < gpus,
+                  mps=mps and not index and local_rank is None)  # ranks: NCCL (cuda), gloo (cpu)
+    if not usable.get(kind):
         raise UserError(f"--device {name!r}: not a device torch trains on here (it sees "
                         f"{gpus or 'no'} CUDA GPU(s), {'' if mps else 'no '}MPS; torchrun's ranks "
                         'take cuda or cpu): choose auto, cuda, cuda:N, mps or cpu')
-    return device
+    return torch.device(kind, int(index)) if index else torch.device(kind)
 
 
 def pick_dtype(name, device, channels_last):
@@ -1059,7 +1058,7 @@ PEAK_TFLOPS = (
     (r'H100 \d+GB HBM3', 989),  # H100 SXM datasheet: 1,979 with sparsity
     ('H100 PCIe', 756),         # H100 datasheet: 1,513 with sparsity
     ('H200', 989),              # H200 datasheet, SXM column: 1,979 with sparsity
-    (r'A100\b.*', 312),         # A100 datasheet (SXM and PCIe, 40 and 80 GB): 624 with sparsity
+    (r'A100[- ].*GB( PCIe)?', 312),  # A100 datasheet, SXM4 and PCIe (not MIG): 624 with sparsity
     ('L40S', 362),              # L40S datasheet: 362.05 (733 with sparsity)
     ('L4', 121),                # L4 datasheet: 242 with sparsity
     ('A10G', 70),               # AWS's A10 variant, no NVIDIA datasheet: AWS's and clouds' sheets
@@ -1070,8 +1069,10 @@ PEAK_TFLOPS = (
 
 
 def peak_tflops(device, dtype, given=None):
-    """The --peak-tflops given, else the table's figure for a known GPU training in fp16 or bf16."""
-    if given or device.type != 'cuda' or dtype not in (torch.float16, torch.bfloat16):
+    """The --peak-tflops given, else the table's figure for a known GPU training in fp16, or bf16
+    where it has bf16 tensor cores (compute capability 8.0 on; a T4 or V100 emulates it)."""
+    if (given or device.type != 'cuda' or dtype == torch.float32 or dtype == torch.bfloat16
+            and torch.cuda.get_device_capability(device)[0] < 8):
         return given
     name = torch.cuda.get_device_name(device)
     return next((peak for pattern, peak in PEAK_TFLOPS
@@ -1167,7 +1168,7 @@ def read_job(path, option):
     try:
         job = json.loads(Path(path).read_text())
     except FileNotFoundError:
-        raise UserError(f'{option} {path}: no such file') from None
+        raise UserError(f'{option} {path}: no such file (a new job starts with --json)') from None
     except (OSError, ValueError):  # a folder; UnicodeDecodeError and JSONDecodeError
         job = None
     sha256 = job.pop('sha256', None) if isinstance(job, dict) else None
@@ -1186,29 +1187,26 @@ def rank_files(path):
 
 
 def hold_job_file(path):
-    """Make this process path's one writer: an flock on the hidden .NAME.lock beside it (holding our
-    process id), released when the file closes or the process ends; None without flock (Windows)."""
+    """Make this process path's one writer: an flock on the hidden .NAME.lock beside it, which
+    stays; released when its descriptor closes or the process ends. None without flock (Windows)."""
     try:
         import fcntl
     except ImportError:
         return None
-    lock = open(Path(path).with_name(f'.{Path(path).name}.lock'), 'a+')
-    try:
+    lock = None
+    try:  # read-only: a lock file another user made will do
+        lock = os.open(Path(path).with_name(f'.{Path(path).name}.lock'), os.O_RDONLY | os.O_CREAT)
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return lock
     except OSError as e:
-        lock.seek(0)
-        holder = lock.read().strip() or 'unknown'
-        lock.close()
-        if e.errno in (errno.EAGAIN, errno.EACCES):
-            raise UserError(f'{path} is the file of a job that another process (id {holder}) '
-                            'is running: wait for it to end, or give another path') from None
+        if lock is not None:
+            os.close(lock)
+        if isinstance(e, BlockingIOError):
+            raise UserError(f'{path} is the file of a job that another process is running: wait '
+                            'for it to end, or give another path') from None
         print(f'note: {path} cannot be locked here ({e.strerror}): nothing stops a second job '
               'from writing it too', file=sys.stderr)
         return None
-    lock.truncate(0)
-    lock.write(f'{os.getpid()}\n')
-    lock.flush()
-    return lock
 
 
 def job_differences(a, b, keys=JOB_KEYS):
@@ -1261,9 +1259,9 @@ def compare_lines(path_a, path_b):
         if a[key] != b[key]:
             raise UserError(f'--compare: the two jobs did not test on the same data ({key}: '
                             f'{a[key]} -> {b[key]}); their accuracies are not comparable')
-    if a['runs'] == b['runs']:  # as read back: a NaN is a null
-        raise UserError(f'--compare: {path_a} and {path_b} hold the same runs (one job twice?): '
-                        'nothing to compare')
+    if any(run in b['runs'] for run in a['runs']):  # as read back: a NaN is a null
+        raise UserError(f'--compare: {path_a} and {path_b} hold the same runs (one job twice, or '
+                        'a copy of it?): a side must be a job of its own')
     acc, lines = {}, []
     for side, path, job in (('A', path_a, a), ('B', path_b, b)):
         runs = job['runs']
@@ -1418,7 +1416,7 @@ class Job:
         self.batch_ranks = 1 if self.spread else self.world  # the ranks a batch is split over
         self.log = print if self.rank == 0 else (lambda *_, **__: None)
         self.path = args.resume or args.json  # the job file: a resumed job goes on writing its own
-        self.runs, self.read_back, self.networks, self.lock = [], 0, None, None
+        self.runs, self.read_back, self.networks, self.lock = [], set(), None, None
         self.context = self.started = self.kept_at = None
 
     def set_up(self):
@@ -1434,8 +1432,8 @@ class Job:
         files = [file for file in [path, *rank_files(path)] if Path(file).exists()] if path else []
         if files and not args.resume:  # hours of runs, maybe, or a spread job's ranks' runs
             raise UserError(f'--json {path} exists, or the .rank files a spread job left beside it '
-                            f'do: a new job overwrites no job file; --resume {path} goes on with '
-                            'it or adds runs, or give another path')
+                            'do: a new job overwrites no file; give another path, or --resume '
+                            f'{path} if it holds this job (it goes on, or adds runs)')
         read_back = (files or [path]) if args.resume else []  # if the file is gone: its ranks'
         resumed = [(file, read_job(file, '--resume')) for file in read_back]
         self.device = pick_device(args.device, self.local_rank if self.world > 1 else None)
@@ -1466,10 +1464,14 @@ class Job:
                                 "another): a --spread runs job's runs must be one job's; use "
                                 'machines alike')
         self.runs = resumed_runs(resumed, context, args.runs)
-        self.read_back, self.context = len(self.runs), context  # now a stop may write the files
-        if self.rank == 0 and (args.resume or self.spread):  # the runs of rank files too
+        self.read_back = {run['run'] for run in self.runs}
+        self.context = context  # now a stop may write the files
+        # the job file now if it lacks runs read back (its ranks'), or is a spread job's; a
+        # finished job resumed keeps its file, summary included
+        job_file = self.spread or bool(args.resume) and read_back != [path]
+        if self.rank == 0 and (job_file or self.runs and args.log_tsv):
             with signals_held():
-                self.write()
+                self.write(job_file=job_file)
         if self.spread:
             dist.barrier()  # no rank trains before rank 0 has written the job file
 
@@ -1531,16 +1533,17 @@ class Job:
                 self.log('\n'.join(run_table_lines(run, self.args.runs)), flush=True)
         return len(records)
 
-    def write(self, saved=None):
+    def write(self, saved=None, job_file=True):
         """Rewrite, each atomically, the job file (a spread job's other ranks: their rank files),
         and on rank 0 --log-tsv and --save (saved: the run the networks' EMA model is of): after
         every run, a crash at run 37 keeps runs 1-36. A failure stops the job."""
         args, runs = self.args, self.runs
         try:
-            if self.path:
+            if self.path and job_file:
                 path = Path(self.path)
-                if self.rank:  # a spread job's other rank: its runs, for rank 0 to take in
+                if self.rank:  # a spread job's other rank: the runs it trained, for rank 0
                     path = path.with_name(f'.{path.name}.rank{self.rank}')
+                    runs = [run for run in runs if run['run'] not in self.read_back]
                 job = dict(self.context, runs_finished=len(runs), runs_requested=args.runs,
                            runs=runs, summary=self.summary())
                 write_atomically(path, job_file_text(job).encode(), '--json')
@@ -1565,12 +1568,12 @@ class Job:
 
     def summary(self):
         """The summary of the runs kept (read back too), the throughput, on CUDA the peak memory."""
-        args, trained = self.args, len(self.runs) - self.read_back
+        args, trained = self.args, len(self.runs) - len(self.read_back)
         summary = summarize(self.runs, args.gpu_price, count_94=not args.tiny,
                             flops=self.flops['run'], peak=self.peak, world=self.batch_ranks)
         if args.resume:
-            summary.update(read_back=self.read_back, resumed_from=args.resume)
-        if trained:
+            summary.update(read_back=len(self.read_back), resumed_from=args.resume)
+        if trained and self.started:  # (a stop may come before the first run)
             wall = self.kept_at - self.started  # to the end of the last run kept
             summary.update(wall_s=wall, runs_per_hour=3600 * trained / wall, ranks=self.world)
         if self.device.type == 'cuda' and trained:
@@ -1606,8 +1609,8 @@ def main(argv=None):
         with signals_held(discard=True):  # the job has ended, whole: a Ctrl-C now changes nothing
             job.networks = None  # its DDP model holds the process group
             leave_process_group()
-            if job.lock:
-                job.lock.close()  # which releases it; the lock file stays
+            if job.lock is not None:
+                os.close(job.lock)  # which releases it; the lock file stays
     with signals_held(discard=True):
         if status == 130:
             finished = f': summary of the {len(job.runs)} finished run(s)' if job.runs else ''
