@@ -1833,7 +1833,7 @@ print('cell 2 status', status)
     assert result.returncode == 0, result.stderr
     # cell 1 parsed no arguments (the defaults: ./data), failed on the empty folder, raised nothing
     assert 'unrecognized arguments' not in result.stderr and 'Traceback' not in result.stderr
-    assert f"data/{T.BATCHES_DIR}/data_batch_1 cannot be read" in result.stderr
+    assert f"data/{T.BATCHES_DIR}/data_batch_1 is missing" in result.stderr
     assert 'cell 1 done' in result.stdout
     assert 'cell 2 status 0' in result.stdout and 'train_cifar10.py n/a' in result.stdout
 
