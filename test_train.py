@@ -914,7 +914,7 @@ def test_wrong_checksum_is_refused_and_nothing_is_kept(tmp_path, server):
     data_dir = tmp_path / 'data'
     with pytest.raises(T.UserError, match='md5'):
         T.ensure_cifar10(data_dir, url + '/a.tar.gz', '0' * 32)
-    assert leftovers(data_dir) == []                              # no archive, no part file
+    assert not data_dir.exists()                                  # nor its folder: no archive, no part
 
 
 def test_corrupt_archive_is_refused_and_nothing_is_extracted(tmp_path, monkeypatch):
@@ -944,7 +944,7 @@ def test_a_python_without_tarfiles_data_filter_is_told_to_upgrade(tmp_path, monk
         T.ensure_cifar10(tmp_path / 'data', (tmp_path / 'a.tar.gz').as_uri(), md5)
 
 
-def test_no_network_gives_one_clear_error_and_leaves_no_archive_nor_part(tmp_path, server):
+def test_no_network_gives_one_clear_error_and_leaves_nothing(tmp_path, server):
     url, files, _, _ = server
     with pytest.raises(T.UserError, match='cannot download .*404'):
         T.ensure_cifar10(tmp_path / 'data', url + '/missing.tar.gz')
@@ -952,7 +952,7 @@ def test_no_network_gives_one_clear_error_and_leaves_no_archive_nor_part(tmp_pat
         T.ensure_cifar10(tmp_path / 'a' / 'b', 'http://127.0.0.1:9/cifar-10-python.tar.gz')  # refused
     assert re.match(r'no CIFAR-10 in --data-dir .*a/b \(is that path right\?\); '
                     r'cannot download http://127\.0\.0\.1:9/', str(refused.value))
-    assert leftovers(tmp_path / 'a' / 'b') == []                  # no archive, no part file
+    assert leftovers(tmp_path) == []                              # no folder it made, no archive, no part
     (tmp_path / 'mine').mkdir()
     with pytest.raises(T.UserError, match='cannot download'):
         T.ensure_cifar10(tmp_path / 'mine', url + '/missing.tar.gz')
@@ -990,7 +990,7 @@ def test_a_mirror_is_used_and_still_checked_against_the_official_md5(tmp_path, s
     files['/mirror/cifar-10-python.tar.gz'] = archive
     # a mirror serving anything but the official archive is refused, and nothing is kept
     assert T.main(['--tiny', '--data-dir', str(tmp_path / 'data'), '--data-url', url + '/mirror/cifar-10-python.tar.gz']) == 1
-    assert f'not {T.CIFAR10_MD5}' in capsys.readouterr().err and leftovers(tmp_path / 'data') == []
+    assert f'not {T.CIFAR10_MD5}' in capsys.readouterr().err and not (tmp_path / 'data').exists()
     monkeypatch.setattr(T, 'CIFAR10_MD5', md5)                   # pretend the generated archive is official
     monkeypatch.setenv('CIFAR10_URL', url + '/mirror/cifar-10-python.tar.gz')   # the notebook's way
     assert T.main(['--tiny', '--epochs', '1', '--batch-size', '32', '--data-dir', str(tmp_path / 'data')]) == 0
@@ -1016,7 +1016,7 @@ def test_the_batches_folder_itself_works_as_data_dir_and_a_file_is_refused(tmp_p
     (['--device', 'cuda:128'], "--device 'cuda:128': not a device"),   # torch.device makes it cuda:-128
     (['--device', 'cuda:255'], "--device 'cuda:255': not a device"),   # torch.device makes it cuda
     (['--device', 'cpu:1'], "--device 'cpu:1': not a device"),
-    (['--device', 'cuda'], 'sees no CUDA GPU(s)'),
+    (['--device', 'cuda'], 'sees no CUDA GPU(s)' + ('' if torch.version.cuda else ' (this torch is a CPU-only build)')),
     (['--gpu-price', '-1'], '--gpu-price -1.0: must not be negative'),
     (['--peak-tflops', '0'], '--peak-tflops 0.0: must be positive'),
     (['--resume', 'a.json', '--json', 'b.json'],
@@ -1231,7 +1231,8 @@ def test_ctrl_c_at_any_stage_ends_cleanly(dataset, tmp_path, monkeypatch, capsys
     out = capsys.readouterr().out
     assert status == 130 and 'interrupted' in out
     if stage == 'train_run':
-        assert 'interrupted: summary of the 1 finished run(s)' in out and 'runs: 1 finished\n' in out
+        assert (f"interrupted: summary of the 1 finished run(s) (the same command with --resume {tmp_path / 'r.json'} "
+                'goes on)') in out and 'runs: 1 finished\n' in out
         assert json.loads((tmp_path / 'r.json').read_text())['runs_finished'] == 1
     else:
         assert 'runs:' not in out and leftovers(tmp_path) == ['.r.json.lock']   # the lock file stays
@@ -1275,7 +1276,7 @@ def test_ctrl_c_during_a_download_leaves_no_part(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(T.urllib.request, 'urlopen', lambda *args, **kwargs: Response())
     assert T.main(['--tiny', '--data-dir', str(tmp_path / 'data')]) == 130
     assert 'interrupted' in capsys.readouterr().out
-    assert leftovers(tmp_path / 'data') == []
+    assert not (tmp_path / 'data').exists()                         # no part file, nor the folder made
 
 
 def test_ctrl_c_while_torch_is_imported_ends_quietly(tmp_path):
@@ -1430,7 +1431,7 @@ def test_resume_refuses_a_different_job_and_leaves_its_file(finished_job, tmp_pa
 
 @pytest.mark.parametrize('content, runs, message', [
     (lambda text: text, 1, 'holds runs up to 2, more than --runs 1: that job asked for --runs 2$'),
-    (None, 3, 'no such file'),
+    (None, 3, r'no such file \(a new job starts with --json\)$'),
 ])
 def test_resume_refuses_a_file_that_is_not_a_job_of_its_own_in_one_line(finished_job, tmp_path, monkeypatch,
                                                                         capsys, content, runs, message):
@@ -1444,6 +1445,7 @@ def test_resume_refuses_a_file_that_is_not_a_job_of_its_own_in_one_line(finished
     err = capsys.readouterr().err.strip()
     assert err.startswith(f'error: --resume {path}') and re.search(message, err) and '\n' not in err
     assert (path.read_bytes() if content else path.exists()) == (text if content else False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == (['.job.json.lock', 'job.json'] if content else [])
 
 
 def test_resume_of_a_finished_job_prints_its_tables_and_summary_and_trains_nothing(finished_job, monkeypatch,
@@ -1713,7 +1715,8 @@ def test_every_setting_that_changes_a_runs_numbers_is_part_of_the_job(finished_j
     with monkeypatch.context() as patch:
         patch.setattr(torch, 'get_num_threads', lambda: threads + 1)
         assert T.main([*options, '--runs', '3', '--resume', str(path)]) == 1
-    assert re.search(rf'device \(CPU .* -> CPU \(.*\b{threads + 1} threads\)', capsys.readouterr().err)
+    assert re.search(rf'device \(CPU .* -> CPU \(.*\b{threads + 1} threads\)\) \(that job -> this one\) '
+                     rf'\(OMP_NUM_THREADS={threads} gives that job its threads\)', capsys.readouterr().err)
     other = next(c for c in ('AVX512', 'AVX2') if c != torch.backends.cpu.get_cpu_capability())
     monkeypatch.setattr(torch.backends.cpu, 'get_cpu_capability', lambda: other)  # not the job's
     assert T.main([*options, '--runs', '3', '--resume', str(path)]) == 1
@@ -1771,7 +1774,7 @@ def test_a_second_job_on_the_same_file_is_refused_while_the_first_runs(finished_
         holder.wait(timeout=60)
         holder.stdout.close()
     lock = T.hold_job_file(path)                                  # SIGKILL released the lock
-    assert lock is not None and (tmp_path / '.job.json.lock').exists()
+    assert lock is not None and (tmp_path / '.job.json.lock').stat().st_mode & 0o111 == 0   # not executable
     os.chmod(tmp_path / '.job.json.lock', 0o444)                  # another user's lock file: read-only
     with pytest.raises(T.UserError, match='another process is running'):
         T.hold_job_file(path)

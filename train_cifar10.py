@@ -567,7 +567,9 @@ def ensure_cifar10(data_dir, url=CIFAR10_URL, md5=CIFAR10_MD5):
         return data_dir
     if data_dir.is_file():
         raise UserError(f'--data-dir {data_dir} is a file, not a folder')
-    hint = '' if data_dir.exists() else ' (is that path right?)'  # likelier than a network fault
+    made = [folder for folder in [data_dir.absolute(), *data_dir.absolute().parents]
+            if not folder.exists()]  # removed again if this fails
+    hint = ' (is that path right?)' if made else ''  # likelier than a network fault
     archive = data_dir / CIFAR10_URL.rsplit('/', 1)[-1]  # whatever the mirror's url
     try:
         if not (data_dir / BATCHES_DIR).is_dir():
@@ -578,6 +580,10 @@ def ensure_cifar10(data_dir, url=CIFAR10_URL, md5=CIFAR10_MD5):
     except (OSError, UserError) as e:  # OSError: mkdir's
         why = e.strerror if isinstance(e, OSError) else e
         raise UserError(f'no CIFAR-10 in --data-dir {data_dir}{hint}; {why}') from None
+    finally:
+        for folder in made:  # deepest first; one that holds anything stays
+            with contextlib.suppress(OSError):
+                folder.rmdir()
     return data_dir / BATCHES_DIR
 
 
@@ -640,9 +646,10 @@ def pick_device(name, local_rank=None):
     usable = dict(cpu=not index, cuda=(index or '0').isdigit() and int(index or '0') < gpus,
                   mps=mps and not index and local_rank is None)  # ranks: NCCL (cuda), gloo (cpu)
     if not usable.get(kind):
+        build = '' if torch.version.cuda else ' (this torch is a CPU-only build)'
         raise UserError(f"--device {name!r}: not a device torch trains on here (it sees "
-                        f"{gpus or 'no'} CUDA GPU(s), {'' if mps else 'no '}MPS; torchrun's ranks "
-                        'take cuda or cpu): choose auto, cuda, cuda:N, mps or cpu')
+                        f"{gpus or 'no'} CUDA GPU(s){build}, {'' if mps else 'no '}MPS; torchrun's "
+                        'ranks take cuda or cpu): choose auto, cuda, cuda:N, mps or cpu')
     return torch.device(kind, int(index)) if index else torch.device(kind)
 
 
@@ -1195,7 +1202,8 @@ def hold_job_file(path):
         return None
     lock = None
     try:  # read-only: a lock file another user made will do
-        lock = os.open(Path(path).with_name(f'.{Path(path).name}.lock'), os.O_RDONLY | os.O_CREAT)
+        lock = os.open(Path(path).with_name(f'.{Path(path).name}.lock'), os.O_RDONLY | os.O_CREAT,
+                       0o666)  # less the umask: rw-r--r--, as open() makes files
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         return lock
     except OSError as e:
@@ -1229,10 +1237,13 @@ def resumed_runs(files, context, runs_requested):
     runs = {}
     for path, job in files:
         differences = job_differences(job, context)
+        threads = re.search(r', (\d+) threads?\)$', job['device'])  # a CPU job's (torchrun: 1)
+        hint = (f' (OMP_NUM_THREADS={threads[1]} gives that job its threads)'
+                if threads and job['device'] != context['device'] else '')
         if differences:
             raise UserError(f"--resume {path}: that job differs from this one in "
-                            f"{', '.join(differences)} (that job -> this one); resume it with its "
-                            'own options, on its kind of device')
+                            f"{', '.join(differences)} (that job -> this one){hint}; resume it "
+                            'with its own options, on its kind of device')
         for run in job['runs']:
             if run['run'] > runs_requested:
                 raise UserError(f"--resume {path} holds runs up to {job['runs'][-1]['run']}, more "
@@ -1427,15 +1438,16 @@ class Job:
         if self.spread and not path:
             raise UserError('--spread runs needs --json: the ranks hand their runs to rank 0 '
                             'through files beside it')
-        if path and self.rank == 0:
-            self.lock = hold_job_file(path)  # one writer: a second job on it is refused
         files = [file for file in [path, *rank_files(path)] if Path(file).exists()] if path else []
+        if args.resume and not files:  # (the job file gone, its ranks' files are read back)
+            read_job(path, '--resume')  # no such file: refused before a lock file is made
         if files and not args.resume:  # hours of runs, maybe, or a spread job's ranks' runs
             raise UserError(f'--json {path} exists, or the .rank files a spread job left beside it '
                             'do: a new job overwrites no file; give another path, or --resume '
                             f'{path} if it holds this job (it goes on, or adds runs)')
-        read_back = (files or [path]) if args.resume else []  # if the file is gone: its ranks'
-        resumed = [(file, read_job(file, '--resume')) for file in read_back]
+        if path and self.rank == 0:
+            self.lock = hold_job_file(path)  # one writer: a second job on it is refused
+        resumed = [(file, read_job(file, '--resume')) for file in files] if args.resume else []
         self.device = pick_device(args.device, self.local_rank if self.world > 1 else None)
         self.compiled, self.channels_last = speed_settings(args, self.device)
         self.dtype = pick_dtype(args.dtype, self.device, self.channels_last)
@@ -1468,7 +1480,7 @@ class Job:
         self.context = context  # now a stop may write the files
         # the job file now if it lacks runs read back (its ranks'), or is a spread job's; a
         # finished job resumed keeps its file, summary included
-        job_file = self.spread or bool(args.resume) and read_back != [path]
+        job_file = self.spread or bool(args.resume) and files != [path]
         if self.rank == 0 and (job_file or self.runs and args.log_tsv):
             with signals_held():
                 self.write(job_file=job_file)
@@ -1614,7 +1626,8 @@ def main(argv=None):
     with signals_held(discard=True):
         if status == 130:
             finished = f': summary of the {len(job.runs)} finished run(s)' if job.runs else ''
-            job.log(f'\ninterrupted{finished}')
+            go_on = f' (the same command with --resume {job.path} goes on)' if job.context else ''
+            job.log(f'\ninterrupted{finished}{go_on}')
         if job.runs:
             job.log('\n' + '\n'.join(summary_lines(job.summary())))
     if status or (job.spread and job.rank != 0):  # a spread job's rank holds only some runs
