@@ -821,7 +821,8 @@ def test_generated_and_protocol_2_pickles_load_with_their_labels(tmp_path):
 @pytest.mark.parametrize('damage, message', [
     (lambda p: p.write_bytes(p.read_bytes()[:len(p.read_bytes()) // 2]), r'cannot be read as a CIFAR-10 batch \(UnpicklingError'),
     (lambda p: p.write_bytes(b'\x00' * 100), r'cannot be read as a CIFAR-10 batch \(UnpicklingError'),
-    (lambda p: p.unlink(), r'is missing: .* is not a complete CIFAR-10 python copy$'),   # no "delete"
+    (lambda p: p.unlink(), r'is missing: .* is not a complete CIFAR-10 python copy \(a --data-dir without one '
+                           r'gets a download\)$'),                                       # no "delete": the user's
     (lambda p: write_batch(p, np.zeros((5, 3, 32, 31), np.uint8), [0] * 5, 'x'), 'not uint8 rows of 3 x 32 x 32'),
     (lambda p: write_batch(p, np.zeros((5, 3, 32, 32), np.uint8), [0, 1, 2, 3, 10], 'x'), 'each with a label 0-9'),
     (lambda p: write_batch(p, np.zeros((5, 3, 32, 32), np.uint8), [0] * 4, 'x'), 'each with a label 0-9'),
@@ -1012,10 +1013,7 @@ def test_the_batches_folder_itself_works_as_data_dir_and_a_file_is_refused(tmp_p
     (['--batch-size', '2048'], '--batch-size 2048: larger than the 1000 training images'),
     (['--cutout', '40'], '--cutout 40: must be 0 to 32 pixels'),
     (['--device', 'tpu'], "--device 'tpu': not a device torch trains on here"),
-    (['--device', 'cuda:x'], "--device 'cuda:x': not a device"),
-    (['--device', 'cuda:128'], "--device 'cuda:128': not a device"),   # torch.device makes it cuda:-128
-    (['--device', 'cuda:255'], "--device 'cuda:255': not a device"),   # torch.device makes it cuda
-    (['--device', 'cpu:1'], "--device 'cpu:1': not a device"),
+
     (['--device', 'cuda'], 'sees no CUDA GPU(s)' + ('' if torch.version.cuda else ' (this torch is a CPU-only build)')),
     (['--gpu-price', '-1'], '--gpu-price -1.0: must not be negative'),
     (['--peak-tflops', '0'], '--peak-tflops 0.0: must be positive'),
@@ -1034,6 +1032,22 @@ def test_unwritable_data_dir_is_refused(tmp_path, capsys):
     (tmp_path / 'a_file').write_text('')
     assert T.main(['--tiny', '--data-dir', str(tmp_path / 'a_file' / 'data')]) == 1
     assert 'data (is that path right?); Not a directory' in capsys.readouterr().err
+
+
+def test_device_names_on_a_machine_with_two_gpus(monkeypatch):
+    """--device is read by the script, not torch.device (which makes cuda:128 cuda:-128 and cuda:255
+    cuda); a torchrun rank takes the GPU of its LOCAL_RANK."""
+    monkeypatch.setattr(torch.cuda, 'is_available', lambda: True)
+    monkeypatch.setattr(torch.cuda, 'device_count', lambda: 2)
+    monkeypatch.setattr(torch.backends.mps, 'is_available', lambda: False)
+    for name, local_rank, device in [('auto', None, 'cuda'), ('cuda', None, 'cuda'), ('cuda:1', None, 'cuda:1'),
+                                     ('cuda', 1, 'cuda:1'), ('cuda:1', 0, 'cuda:0'), ('cpu', None, 'cpu'),
+                                     ('cpu', 1, 'cpu')]:
+        assert T.pick_device(name, local_rank) == torch.device(device)
+    for name, local_rank in [('cuda:2', None), ('cuda:128', None), ('cuda:255', None), ('cuda:²', None),
+                             ('cuda:x', None), ('cuda', 2), ('cpu:1', None), ('mps', None), ('tpu', None)]:
+        with pytest.raises(T.UserError, match=f"--device '{name}': not a device torch trains on here"):
+            T.pick_device(name, local_rank)
 
 
 @pytest.mark.parametrize('device', ['cpu', 'cuda', 'mps'])
@@ -1231,11 +1245,12 @@ def test_ctrl_c_at_any_stage_ends_cleanly(dataset, tmp_path, monkeypatch, capsys
     out = capsys.readouterr().out
     assert status == 130 and 'interrupted' in out
     if stage == 'train_run':
-        assert (f"interrupted: summary of the 1 finished run(s) (the same command with --resume {tmp_path / 'r.json'} "
-                'goes on)') in out and 'runs: 1 finished\n' in out
+        assert (f"interrupted: summary of the 1 finished run(s); --resume {tmp_path / 'r.json'}, with the job's "
+                'other options, goes on\n') in out and 'runs: 1 finished\n' in out
         assert json.loads((tmp_path / 'r.json').read_text())['runs_finished'] == 1
     else:
         assert 'runs:' not in out and leftovers(tmp_path) == ['.r.json.lock']   # the lock file stays
+        assert '--resume' not in out                                  # no job file to resume yet
 
 
 def test_ctrl_c_as_a_finished_job_ends_changes_nothing(finished_job, tmp_path, monkeypatch, capsys):
@@ -1778,6 +1793,9 @@ def test_a_second_job_on_the_same_file_is_refused_while_the_first_runs(finished_
     os.chmod(tmp_path / '.job.json.lock', 0o444)                  # another user's lock file: read-only
     with pytest.raises(T.UserError, match='another process is running'):
         T.hold_job_file(path)
+    os.close(lock)
+    lock = T.hold_job_file(path)                                  # a free read-only lock file is taken
+    assert lock is not None
     os.close(lock)
 
 

@@ -567,7 +567,7 @@ def ensure_cifar10(data_dir, url=CIFAR10_URL, md5=CIFAR10_MD5):
         return data_dir
     if data_dir.is_file():
         raise UserError(f'--data-dir {data_dir} is a file, not a folder')
-    made = [folder for folder in [data_dir.absolute(), *data_dir.absolute().parents]
+    made = [folder for folder in [data_dir.resolve(), *data_dir.resolve().parents]
             if not folder.exists()]  # removed again if this fails
     hint = ' (is that path right?)' if made else ''  # likelier than a network fault
     archive = data_dir / CIFAR10_URL.rsplit('/', 1)[-1]  # whatever the mirror's url
@@ -616,8 +616,8 @@ def load_cifar10(folder):
                     and 0 <= classes.min() and classes.max() < NUM_CLASSES):
                 raise ValueError('not uint8 rows of 3 x 32 x 32 pixels, each with a label 0-9')
         except FileNotFoundError:  # a user's own folder, maybe: no advice to delete it
-            raise UserError(f'{path} is missing: {folder} is not a complete CIFAR-10 python '
-                            'copy') from None
+            raise UserError(f'{path} is missing: {folder} is not a complete CIFAR-10 python copy '
+                            '(a --data-dir without one gets a download)') from None
         except Exception as e:  # a damaged pickle fails in many ways: EOFError, KeyError, ...
             why = e.strerror if isinstance(e, OSError) else f'{type(e).__name__}: {e}'
             raise UserError(f'{path} cannot be read as a CIFAR-10 batch ({why}): {folder} is not '
@@ -643,7 +643,8 @@ def pick_device(name, local_rank=None):
     kind, _, index = name.partition(':')  # not torch.device's parsing: cuda:128 is cuda:-128
     if kind == 'cuda' and local_rank is not None:
         index = str(local_rank)
-    usable = dict(cpu=not index, cuda=(index or '0').isdigit() and int(index or '0') < gpus,
+    number = re.fullmatch('[0-9]+', index or '0')  # not str.isdigit, which takes '²'
+    usable = dict(cpu=not index, cuda=bool(number) and int(number[0]) < gpus,
                   mps=mps and not index and local_rank is None)  # ranks: NCCL (cuda), gloo (cpu)
     if not usable.get(kind):
         build = '' if torch.version.cuda else ' (this torch is a CPU-only build)'
@@ -1175,7 +1176,8 @@ def read_job(path, option):
     try:
         job = json.loads(Path(path).read_text())
     except FileNotFoundError:
-        raise UserError(f'{option} {path}: no such file (a new job starts with --json)') from None
+        start = ' (a new job starts with --json)' if option == '--resume' else ''
+        raise UserError(f'{option} {path}: no such file{start}') from None
     except (OSError, ValueError):  # a folder; UnicodeDecodeError and JSONDecodeError
         job = None
     sha256 = job.pop('sha256', None) if isinstance(job, dict) else None
@@ -1200,10 +1202,12 @@ def hold_job_file(path):
         import fcntl
     except ImportError:
         return None
-    lock = None
-    try:  # read-only: a lock file another user made will do
-        lock = os.open(Path(path).with_name(f'.{Path(path).name}.lock'), os.O_RDONLY | os.O_CREAT,
-                       0o666)  # less the umask: rw-r--r--, as open() makes files
+    lock, lock_path = None, Path(path).with_name(f'.{Path(path).name}.lock')
+    try:
+        try:  # rw-r--r-- (0o666 less the umask), as open() makes files; NFS locks need writing
+            lock = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o666)
+        except PermissionError:  # another user's lock file: read-only will do for a local flock
+            lock = os.open(lock_path, os.O_RDONLY)
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         return lock
     except OSError as e:
@@ -1237,9 +1241,9 @@ def resumed_runs(files, context, runs_requested):
     runs = {}
     for path, job in files:
         differences = job_differences(job, context)
-        threads = re.search(r', (\d+) threads?\)$', job['device'])  # a CPU job's (torchrun: 1)
-        hint = (f' (OMP_NUM_THREADS={threads[1]} gives that job its threads)'
-                if threads and job['device'] != context['device'] else '')
+        threads = [re.search(r', (\d+) threads?\)$', j['device']) for j in (job, context)]  # CPUs'
+        hint = (f' (OMP_NUM_THREADS={threads[0][1]} gives that job its threads)'
+                if all(threads) and threads[0][1] != threads[1][1] else '')  # torchrun's ranks: 1
         if differences:
             raise UserError(f"--resume {path}: that job differs from this one in "
                             f"{', '.join(differences)} (that job -> this one){hint}; resume it "
@@ -1626,7 +1630,8 @@ def main(argv=None):
     with signals_held(discard=True):
         if status == 130:
             finished = f': summary of the {len(job.runs)} finished run(s)' if job.runs else ''
-            go_on = f' (the same command with --resume {job.path} goes on)' if job.context else ''
+            go_on = (f'; --resume {job.path}, with the job\'s other options, goes on'
+                     if job.path and Path(job.path).exists() else '')
             job.log(f'\ninterrupted{finished}{go_on}')
         if job.runs:
             job.log('\n' + '\n'.join(summary_lines(job.summary())))
