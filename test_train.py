@@ -1863,7 +1863,8 @@ print('cell 2 status', status)
 # Speed: compilation and channels_last change nothing but the speed
 # ---------------------------------------------------------------------------------------------
 COMPILE_WORKER = """
-import sys, torch
+import os, sys, torch
+os.nice(19)                                       # cores the other tests leave idle, not theirs
 sys.path.insert(0, {repo!r})
 import train_cifar10 as T
 torch.set_num_threads(1)                          # three workers share the two cores
@@ -1883,7 +1884,8 @@ for name, compile, channels_last in [('eager_nchw', False, False), ('eager_cl', 
 
 
 HALF_PRECISION_WORKER = """
-import sys, torch
+import os, sys, torch
+os.nice(19)                                       # cores the other tests leave idle, not theirs
 sys.path.insert(0, {repo!r})
 import train_cifar10 as T
 torch.set_num_threads(1)                          # three workers share the two cores
@@ -1919,7 +1921,8 @@ torch.save(dict(disagreement=disagreement, compiled=compiled, eager=eager, losse
 @pytest.fixture(scope='session', autouse=True)
 def compile_workers(request, dataset, tmp_path_factory):
     """The workers of compiled_runs, started with the suite when a selected test needs them: each
-    spends most of a minute compiling, on one core, while the other tests run."""
+    spends most of a minute compiling, on one core, at the lowest priority: in the time the other
+    tests leave (competing with them, the suite took more CPU time, not less)."""
     workers = {}
     if not any('compiled_runs' in item.fixturenames for item in request.session.items):
         yield workers
