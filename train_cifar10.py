@@ -395,7 +395,7 @@ class Networks:
         self.optimiser = optimiser(self.network, hyp)
         self.summed_loss = torch.compile(summed_loss, dynamic=False) if compiled else summed_loss
         tta = torch.compile(flip_tta_logits, dynamic=False) if compiled else flip_tta_logits
-        self.flip_tta_logits = in_tf32(tta) if evaluates_in_tf32(device, dtype) else tta
+        self.flip_tta_logits = in_tf32(tta, device, dtype)
 
     @torch.no_grad()
     def reinitialise(self, whitening, seed):
@@ -669,42 +669,44 @@ def pick_dtype(name, device, channels_last):
 
 
 def probe_run(device, dtype, channels_last):
-    """Two steps of a narrow network: a device or dtype that cannot run fails here, in seconds."""
-    rng, n = np.random.default_rng(0), 128
-    images = rng.integers(0, 256, (n, 3, 32, 32), dtype=np.uint8)
-    labels = rng.integers(0, NUM_CLASSES, n)
+    """Two steps of a narrow network on random images: what cannot train fails here, in seconds."""
+    images = np.random.default_rng(0).integers(0, 256, (128, 3, 32, 32), dtype=np.uint8)
+    labels = np.arange(128) % NUM_CLASSES
     data = dict(train_images=images, train_labels=labels, test_images=images, test_labels=labels)
-    hyp = {**HYP, 'channels': (8, 8, 8, 8), 'epochs': 1, 'batch_size': n // 2,
-           'eval_batch_size': n // 2, 'whitening_images': n, 'cutout': 8}
+    hyp = {**HYP, 'channels': (8, 8, 8, 8), 'epochs': 1, 'batch_size': 64, 'eval_batch_size': 64,
+           'whitening_images': 128, 'cutout': 8}
     networks = Networks(hyp, device, dtype, compiled=False, channels_last=channels_last)
     train_run(data, networks, hyp, seed=0, on_epoch=lambda row: None)
 
 
-def evaluates_in_tf32(device, dtype):
-    """Whether the EMA's fp32 evaluation may use TF32 (fp16's precision): CUDA 8.0+, fp16/bf16."""
-    return (device.type == 'cuda' and dtype != torch.float32
-            and torch.cuda.get_device_capability(device)[0] >= 8)
+TF32_IN_EVALUATION = "TF32 for the EMA's evaluation only"
 
 
 def fp32_precision(device, dtype):
     """On CUDA, TF32 off for training (the folded whitening's gradient would round as in fp16), on
-    for the EMA's evaluation (in_tf32); returns what the header says of it, None off CUDA."""
+    for the EMA's fp32 evaluation when training in fp16/bf16 on 8.0+ (in_tf32). Returns what the
+    header says of it; None off CUDA, whose CPUs and MPS compute fp32 as fp32."""
     if device.type != 'cuda':
-        return None  # CPUs and MPS compute fp32 as fp32
+        return None
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
     warnings.filterwarnings('ignore', message='TensorFloat32 tensor cores')  # inductor's advice
-    return "TF32 for the EMA's evaluation only" if evaluates_in_tf32(device, dtype) else 'TF32 off'
+    if dtype == torch.float32 or torch.cuda.get_device_capability(device)[0] < 8:
+        return 'TF32 off'
+    return TF32_IN_EVALUATION
 
 
-def in_tf32(function):
-    """function, run with TF32 allowed (a compiled one compiles, once, with the flag so set)."""
+def in_tf32(function, device, dtype):
+    """function, run with TF32 allowed where fp32_precision allows it, then off for training (a
+    compiled one compiles, once, with the flag so set)."""
+    if fp32_precision(device, dtype) != TF32_IN_EVALUATION:
+        return function
+
     def call(*args):
-        saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
         torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = True
         try:
             return function(*args)
         finally:
-            torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+            torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
     return call
 
 
@@ -720,20 +722,17 @@ def compiled_warm_up(data, hyp, device, dtype, compiled, channels_last, log):
     """Build, compile if asked and warm up the networks; returns them and whether compiled. Ranks
     that split batches all train eager if compilation fails on one (else collectives would hang)."""
     networks = Networks(hyp, device, dtype, compiled, channels_last)
-    if compiled:  # the training step, checked against eager, then the flip-TTA pass
+    if compiled:  # the training step at a run's shapes and first weights, then the flip-TTA pass
         start, failure, batch = time.perf_counter(), None, hyp['batch_size'] // rank_and_world()[1]
         images = normalise(data['train_images'][:hyp['whitening_images']], device, torch.float32)
         x = normalise(data['train_images'][:batch], device, dtype)
         y = torch.from_numpy(data['train_labels'][:batch]).to(device)
-        try:  # at a run's shapes and first weights; no collective (no_sync): no rank waits
+        try:  # no collective (no_sync): no rank waits for another
             networks.reinitialise(whitening_filters(images, hyp['whitening_eps']), seed=0)
             with networks.parallel.no_sync() if SPLIT_BATCHES else contextlib.nullcontext():
-                disagreement = compiled_step_disagreement(
+                failure = compiled_step_disagreement(
                     networks, x.contiguous(memory_format=networks.memory_format), y, hyp)
-            if disagreement:
-                failure = (f"torch.compile's training step disagrees with eager ({disagreement}): "
-                           'training eager instead')
-            else:  # a full batch and the last
+            if not failure:  # a full test batch and the last
                 evaluate(networks, *test_set(data, networks, hyp, last_batches=2), hyp)
         except Exception as error:
             failure = compile_failure_line(error)
@@ -752,7 +751,7 @@ def compiled_warm_up(data, hyp, device, dtype, compiled, channels_last, log):
 
 def compiled_step_disagreement(networks, x, y, hyp):
     """None if the compiled step's loss and gradients on this batch are eager's to within rounding
-    (README: the compiled step's check); else which one disagreed, and by how much."""
+    (README: the compiled step's check), else the line that says which is not."""
     # A tensor's rounding is eager's distance from a wider reference (float64; fp32 for fp16 and
     # bf16): the compiled tensor may differ from eager's by 4 times it, or 4 times their median.
     wide = torch.float64 if networks.dtype in (torch.float32, torch.float64) else torch.float32
@@ -779,11 +778,11 @@ def compiled_step_disagreement(networks, x, y, hyp):
                             if p.requires_grad]
     for name, got, expected, size, error in zip(names, compiled, eager, sizes, rounding):
         gap, bound = float((got - expected).norm()) / size, 4 * max(error, floor)
-        if not torch.isfinite(got).all():
-            return f'{name} is not finite'
-        if gap > bound:
-            return (f'{name} differs from eager by {gap:.2g} of its size, beyond the {bound:.2g} '
-                    'its rounding allows')
+        if not gap <= bound:  # NaN too
+            why = (f'differs from eager by {gap:.2g} of its size, beyond the {bound:.2g} its '
+                   'rounding allows' if math.isfinite(gap) else 'is not finite')
+            return (f"torch.compile's training step disagrees with eager ({name} {why}): "
+                    'training eager instead')
     return None
 
 
@@ -942,8 +941,7 @@ def header_lines(hyp, data, device, dtype, seed, flops, peak, world, fp32_math=N
                            break_long_words=False),
             f"data: {data['provenance']} (files' digest {data['digest']})",
             f"model FLOPs: {tflop['step']} a training step x {flops['steps']} steps + "
-            f"{tflop['whitening']} whitening = {tflop['run']} a run (timed); "
-            f"{tflop['evaluation']} an evaluation (not timed){peak}",
+            f"{tflop['whitening']} whitening = {tflop['run']} a run{peak}",
             'valid = flip-TTA accuracy of the EMA model; total time = preprocessing + training '
             '(DAWNBench rule: validation excluded, after a warm-up)']
 
@@ -1035,44 +1033,36 @@ def script_hash():
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
 
 
-def count_flops(hyp, n_train, n_test):
-    """A run's model FLOPs, counted by torch on the meta device: step, whitening, evaluation."""
+def count_flops(hyp, n_train):
+    """A run's model FLOPs, counted by torch on the meta device: a training step, the whitening."""
     from torch.utils.flop_counter import FlopCounterMode
-
-    def flops(work):
-        with FlopCounterMode(display=False) as counter:
-            work()
-        return counter.get_total_flops()
-
     with torch.device('meta'):
         net = ResNet9(torch.zeros(27, 3, 3, 3), hyp)
         batch = torch.zeros(hyp['batch_size'], 3, 32, 32)
         labels = torch.zeros(hyp['batch_size'], dtype=torch.long)
-        step = flops(lambda: summed_loss(net, batch, labels, hyp['label_smoothing'])[0].backward())
-        patches = torch.zeros(min(hyp['whitening_images'], n_train), 3, 32, 32)
-        whitening = flops(lambda: patch_moment(patches))
-        with torch.no_grad():
-            evaluation = flops(lambda: flip_tta_logits(net.eval(), torch.zeros(n_test, 3, 32, 32)))
+        with FlopCounterMode(display=False) as step:
+            summed_loss(net, batch, labels, hyp['label_smoothing'])[0].backward()
+        with FlopCounterMode(display=False) as whitening:
+            patch_moment(torch.zeros(min(hyp['whitening_images'], n_train), 3, 32, 32))
     steps = hyp['epochs'] * (n_train // hyp['batch_size'])
-    return dict(step=step, steps=steps, whitening=whitening, run=steps * step + whitening,
-                evaluation=evaluation)
+    step, whitening = step.get_total_flops(), whitening.get_total_flops()
+    return dict(step=step, steps=steps, whitening=whitening, run=steps * step + whitening)
 
 
-# Dense fp16/bf16 tensor-core peaks in TFLOP/s (fp32 accumulation; datasheets quote twice these
-# "with sparsity") of the GPUs people rent for this; --peak-tflops gives another's. A pattern is the
-# whole name torch.cuda.get_device_name() gives, less its maker's words: a variant not listed (H100
-# NVL, V100 PCIe, a laptop's RTX 4090) gets no figure rather than its family's.
+# Datasheets' dense fp16/bf16 tensor-core peaks, TFLOP/s (fp32 accumulation; half "with sparsity").
+# A pattern is the whole name torch.cuda.get_device_name() gives, less its maker's words: a variant
+# not listed (H100 NVL, a laptop's RTX 4090) gets no figure rather than its family's.
 PEAK_TFLOPS = (
-    (r'H100 \d+GB HBM3', 989),  # H100 SXM datasheet: 1,979 with sparsity
-    ('H100 PCIe', 756),         # H100 datasheet: 1,513 with sparsity
-    ('H200', 989),              # H200 datasheet, SXM column: 1,979 with sparsity
-    (r'A100[- ].*GB( PCIe)?', 312),  # A100 datasheet, SXM4 and PCIe (not MIG): 624 with sparsity
-    ('L40S', 362),              # L40S datasheet: 362.05 (733 with sparsity)
-    ('L4', 121),                # L4 datasheet: 242 with sparsity
-    ('A10G', 70),               # AWS's A10 variant, no NVIDIA datasheet: AWS's and clouds' sheets
-    ('T4', 65),                 # T4 datasheet, mixed fp16/fp32
-    (r'V100-SXM2-\d+GB', 125),  # V100 datasheet, SXM2
-    ('RTX 4090', 165),          # Ada (AD102) whitepaper, fp32 accumulate; 330 with fp16 accumulate
+    (r'H100 \d+GB HBM3', 989),  # H100 SXM
+    ('H100 PCIe', 756),
+    ('H200', 989),              # SXM
+    (r'A100[- ].*GB( PCIe)?', 312),  # SXM4 and PCIe, not a MIG slice
+    ('L40S', 362),
+    ('L4', 121),
+    ('A10G', 70),               # AWS's A10 variant: AWS's figure
+    ('T4', 65),                 # fp16 with fp32 accumulation
+    (r'V100-SXM2-\d+GB', 125),
+    ('RTX 4090', 165),          # fp32 accumulation (330 with fp16's)
 )
 
 
@@ -1461,7 +1451,7 @@ class Job:
             signal.signal(signal.SIGTERM, signal.default_int_handler)
         self.data = data = prepare_data(args, hyp, self.local_rank, self.world)
         self.fp32_math = fp32_precision(self.device, self.dtype)
-        self.flops = count_flops(hyp, len(data['train_images']), len(data['test_images']))
+        self.flops = count_flops(hyp, len(data['train_images']))
         self.peak = peak_tflops(self.device, self.dtype, args.peak_tflops)
         context = dict(
             script_sha256=script_hash(), torch=torch.__version__,
