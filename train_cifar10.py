@@ -669,14 +669,12 @@ def pick_dtype(name, device, channels_last):
 
 
 def probe_run(device, dtype, channels_last):
-    """Two steps of a narrow network on random images: what cannot train fails here, in seconds."""
+    """A narrow network's warm-up on random images: what cannot train fails here, in seconds."""
     images = np.random.default_rng(0).integers(0, 256, (128, 3, 32, 32), dtype=np.uint8)
     labels = np.arange(128) % NUM_CLASSES
-    data = dict(train_images=images, train_labels=labels, test_images=images, test_labels=labels)
-    hyp = {**HYP, 'channels': (8, 8, 8, 8), 'epochs': 1, 'batch_size': 64, 'eval_batch_size': 64,
-           'whitening_images': 128, 'cutout': 8}
-    networks = Networks(hyp, device, dtype, compiled=False, channels_last=channels_last)
-    train_run(data, networks, hyp, seed=0, on_epoch=lambda row: None)
+    hyp = {**HYP, 'channels': (8, 8, 8, 8), 'batch_size': 64, 'eval_batch_size': 64, 'cutout': 8}
+    warm_up(dict(train_images=images, train_labels=labels, test_images=images, test_labels=labels),
+            Networks(hyp, device, dtype, compiled=False, channels_last=channels_last), hyp)
 
 
 TF32_IN_EVALUATION = "TF32 for the EMA's evaluation only"
@@ -750,10 +748,9 @@ def compiled_warm_up(data, hyp, device, dtype, compiled, channels_last, log):
 
 
 def compiled_step_disagreement(networks, x, y, hyp):
-    """None if the compiled step's loss and gradients on this batch are eager's to within rounding
-    (README: the compiled step's check), else the line that says which is not."""
-    # A tensor's rounding is eager's distance from a wider reference (float64; fp32 for fp16 and
-    # bf16): the compiled tensor may differ from eager's by 4 times it, or 4 times their median.
+    """None if the compiled step's loss and gradients on this batch are eager's to within rounding,
+    else the line that says which is not (README: the compiled step's check)."""
+    # each may differ from eager's by 4 x eager's distance from a wider reference, or 4 x the median
     wide = torch.float64 if networks.dtype in (torch.float32, torch.float64) else torch.float32
     wide_on = torch.device('cpu') if x.device.type == 'mps' and wide == torch.float64 else x.device
 
