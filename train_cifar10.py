@@ -1050,16 +1050,16 @@ def count_flops(hyp, n_train):
 # A pattern is the whole name torch.cuda.get_device_name() gives, less its maker's words: a variant
 # not listed (H100 NVL, a laptop's RTX 4090) gets no figure rather than its family's.
 PEAK_TFLOPS = (
-    (r'H100 \d+GB HBM3', 989),  # H100 SXM
-    ('H100 PCIe', 756),
-    ('H200', 989),              # SXM
-    (r'A100[- ].*GB( PCIe)?', 312),  # SXM4 and PCIe, not a MIG slice
-    ('L40S', 362),
-    ('L4', 121),
-    ('A10G', 70),               # AWS's A10 variant: AWS's figure
-    ('T4', 65),                 # fp16 with fp32 accumulation
-    (r'V100-SXM2-\d+GB', 125),
-    ('RTX 4090', 165),          # fp32 accumulation (330 with fp16's)
+    (r'H100 \d+GB HBM3', 989),  # H100 SXM datasheet: 1,979 with sparsity
+    ('H100 PCIe', 756),         # H100 datasheet: 1,513 with sparsity
+    ('H200', 989),              # H200 datasheet, SXM column
+    (r'A100[- ].*GB( PCIe)?', 312),  # A100 datasheet, SXM4 and PCIe (not a MIG slice)
+    ('L40S', 362),              # L40S datasheet: 362.05
+    ('L4', 121),                # L4 datasheet
+    ('A10G', 70),               # AWS's A10 variant, no NVIDIA datasheet: AWS's and clouds' sheets
+    ('T4', 65),                 # T4 datasheet, mixed fp16/fp32
+    (r'V100-SXM2-\d+GB', 125),  # V100 datasheet, SXM2
+    ('RTX 4090', 165),          # Ada (AD102) whitepaper, fp32 accumulate; 330 with fp16 accumulate
 )
 
 
