@@ -1492,9 +1492,9 @@ def test_spread_runs_needs_json_and_keeps_a_ranks_runs_whose_job_file_is_gone(fi
     write_job(rank_file, {**job, 'runs': job['runs'][1:]})        # rank 1's run 2; a.json was deleted
     text = rank_file.read_bytes()
     assert T.main([*options, '--runs', '2', '--json', str(path)]) == 1
-    assert capsys.readouterr().err == (f"error: --json '{path}': exists, or a spread job's .rank files beside it "
-                                       'do: a new job overwrites no file; give another path, or --resume '
-                                       f'{path} if it holds this job\n')
+    assert capsys.readouterr().err == (f"error: --json '{path}': exists (or its .rank files do), and a new job "
+                                       'overwrites no file: give another path, or --resume the job whose --json '
+                                       'file it is\n')
     assert rank_file.read_bytes() == text and not path.exists()
     assert T.main([*options, '--runs', '2', '--resume', str(path)]) == 0   # trains run 1 alone
     assert capsys.readouterr().out.count(f'read back from {path}') == 2   # the table's and the summary's
@@ -1712,9 +1712,9 @@ def test_json_on_a_job_file_refuses_to_overwrite_it(finished_job, tmp_path, monk
     monkeypatch.setattr(T, 'probe_run', lambda *args: pytest.fail('work started'))
     for file in (path, notes):
         assert T.main([*finished_job[1], '--runs', '4', '--json', str(file)]) == 1
-        assert capsys.readouterr().err == (f"error: --json '{file}': exists, or a spread job's .rank files "
-                                           'beside it do: a new job overwrites no file; give another path, '
-                                           f'or --resume {file} if it holds this job\n')
+        assert capsys.readouterr().err == (f"error: --json '{file}': exists (or its .rank files do), and a new "
+                                           'job overwrites no file: give another path, or --resume the job '
+                                           'whose --json file it is\n')
     assert path.read_bytes() == text and notes.read_text() == 'my notes'
 
 
@@ -1820,8 +1820,8 @@ def test_a_mistaken_path_gets_one_line(dataset, tmp_path, monkeypatch, capsys, a
     ('--json', 'missing/r.json', r'cannot write in its folder \(No such file or directory\)$'),
     ('--log-tsv', 'a_file/r.tsv', r'cannot write in its folder \(Not a directory\)$'),
     ('--save', '.', "': empty, a folder, or another option's too: give each a file name of its own$"),
-    ('--save', 'a_file', "': exists, and a new job overwrites no file: give another path, or delete it$"),
-    ('--log-tsv', 'a_file', 'exists, and a new job overwrites no file'),
+    ('--save', 'a_file', "': exists \\(or its .rank files do\\), and a new job overwrites no file: give another path"),
+    ('--log-tsv', 'a_file', 'exists \\(or its .rank files do\\), and a new job overwrites no file'),
 ])
 def test_output_paths_are_refused_before_any_work(dataset, tmp_path, monkeypatch, capsys, option, path, message):
     (tmp_path / 'a_file').write_text('')

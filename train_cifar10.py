@@ -1384,16 +1384,14 @@ def check_options(args, hyp, world, spread):
             tempfile.TemporaryFile(dir=os.path.dirname(path) or '.').close()
         except OSError as e:
             raise UserError(f'{flag} {path!r}: cannot write in its folder ({e.strerror})') from None
-        exists = os.path.exists(path) or flag in ('--json', '--resume') and rank_files(path)
+        exists = os.path.exists(path) or rank_files(path)  # a spread job's may outlive its file
         if not path or os.path.isdir(path) or paths.count(os.path.realpath(path)) > 1:
             why = "empty, a folder, or another option's too: give each a file name of its own"
-        elif flag == '--resume' and not exists:  # (a spread job's .rank files may outlive it)
+        elif flag == '--resume' and not exists:
             why = 'no such file (a new job starts with --json)'
-        elif exists and flag == '--json':  # a job file may hold hours of runs
-            why = ("exists, or a spread job's .rank files beside it do: a new job overwrites no "
-                   f'file; give another path, or --resume {path} if it holds this job')
-        elif exists and not args.resume:
-            why = 'exists, and a new job overwrites no file: give another path, or delete it'
+        elif exists and not args.resume:  # a job file may hold hours of runs
+            why = ('exists (or its .rank files do), and a new job overwrites no file: give another '
+                   'path, or --resume the job whose --json file it is')
         else:
             continue
         raise UserError(f'{flag} {path!r}: {why}')
@@ -1547,11 +1545,10 @@ class Job:
                     for run in runs for row in run['rows']]
                 write_atomically(args.log_tsv, ('\n'.join(lines) + '\n').encode(), '--log-tsv')
             if args.save and saved and self.rank == 0:  # what it takes to rebuild the model
-                ema = self.networks.ema
-                checkpoint = dict(state_dict={k: v.cpu() for k, v in ema.state_dict().items()},
-                                  hyperparameters=self.hyp, classes=CLASSES, mean=CIFAR10_MEAN,
-                                  std=CIFAR10_STD, run=saved['run'], seed=saved['seed'],
-                                  accuracy=saved['accuracy'])
+                state = {k: v.cpu() for k, v in self.networks.ema.state_dict().items()}
+                checkpoint = dict(state_dict=state, hyperparameters=self.hyp, classes=CLASSES,
+                                  mean=CIFAR10_MEAN, std=CIFAR10_STD, run=saved['run'],
+                                  seed=saved['seed'], accuracy=saved['accuracy'])
                 buffer = io.BytesIO()  # in memory first: torch.save fails oddly on a full disk
                 torch.save(checkpoint, buffer)
                 write_atomically(args.save, buffer.getvalue(), '--save')
@@ -1567,11 +1564,11 @@ class Job:
                             flops=self.flops['run'], peak=self.peak, world=self.batch_ranks)
         if args.resume:
             summary.update(read_back=len(self.read_back), resumed_from=args.resume)
-        if trained and self.started:  # (a stop may come before the first run)
+        if trained:
             wall = self.kept_at - self.started  # to the end of the last run kept
             summary.update(wall_s=wall, runs_per_hour=3600 * trained / wall, ranks=self.world)
-        if self.device.type == 'cuda' and trained:
-            summary['peak_memory_gb'] = torch.cuda.max_memory_allocated(self.device) / 1e9
+            if self.device.type == 'cuda':
+                summary['peak_memory_gb'] = torch.cuda.max_memory_allocated(self.device) / 1e9
         return summary
 
 
@@ -1605,14 +1602,13 @@ def main(argv=None):
             leave_process_group()
             if job.lock is not None:
                 os.close(job.lock)  # which releases it; the lock file stays
-    with signals_held(discard=True):
-        if status == 130:
-            finished = f': summary of the {len(job.runs)} finished run(s)' if job.runs else ''
-            go_on = (f'; --resume {job.path}, with the job\'s other options, goes on'
-                     if job.path and Path(job.path).exists() else '')
-            job.log(f'\ninterrupted{finished}{go_on}')
-        if job.runs:
-            job.log('\n' + '\n'.join(summary_lines(job.summary())))
+            if status == 130:
+                finished = f': summary of the {len(job.runs)} finished run(s)' if job.runs else ''
+                go_on = (f"; --resume {job.path}, with the job's other options, goes on"
+                         if job.path and Path(job.path).exists() else '')
+                job.log(f'\ninterrupted{finished}{go_on}')
+            if job.runs:
+                job.log('\n' + '\n'.join(summary_lines(job.summary())))
     if status or (job.spread and job.rank != 0):  # a spread job's rank holds only some runs
         return status
     return 1 if len(job.runs) < args.runs or any(run['failed'] for run in job.runs) else 0
