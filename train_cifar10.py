@@ -1124,8 +1124,7 @@ def runs_for_power(diff, std_a, std_b, power=0.8, most=100_000):
 # ==== Job files: written after every run, read back by --resume, compared by --compare =========
 def write_atomically(path, data, flag):
     """Write bytes via a temporary file beside path: a write cut short leaves path as it was."""
-    path = Path(path)
-    tmp = path.with_name(f'.{path.name}.{os.getpid()}.part')
+    tmp = Path(path).with_name(f'.{Path(path).name}.{os.getpid()}.part')
     try:
         tmp.write_bytes(data)
         os.replace(tmp, path)
@@ -1155,7 +1154,7 @@ def job_sha256(job):
 def job_file_text(job):
     """A job as its file's JSON, with the sha256 of its content, which vouches for every field."""
     job = {'format': JOB_FORMAT, **json_ready(job)}
-    return json.dumps({**job, 'sha256': job_sha256(job)}, indent=1, allow_nan=False)
+    return json.dumps({**job, 'sha256': job_sha256(job)}, indent=1)
 
 
 def read_job(path, option):
@@ -1163,8 +1162,7 @@ def read_job(path, option):
     try:
         job = json.loads(Path(path).read_text())
     except FileNotFoundError:
-        start = ' (a new job starts with --json)' if option == '--resume' else ''
-        raise UserError(f'{option} {path}: no such file{start}') from None
+        raise UserError(f'{option} {path}: no such file') from None
     except (OSError, ValueError):  # a folder; UnicodeDecodeError and JSONDecodeError
         job = None
     sha256 = job.pop('sha256', None) if isinstance(job, dict) else None
@@ -1177,9 +1175,8 @@ def read_job(path, option):
 
 def rank_files(path):
     """Files .NAME.rankR beside NAME, where a spread job's ranks but 0 leave runs for rank 0."""
-    path = Path(path)
-    pattern = re.escape(f'.{path.name}.rank') + r'\d+'
-    return sorted(p for p in path.parent.iterdir() if re.fullmatch(pattern, p.name))
+    pattern = re.escape(f'.{Path(path).name}.rank') + r'\d+'
+    return sorted(p for p in Path(path).parent.iterdir() if re.fullmatch(pattern, p.name))
 
 
 def hold_job_file(path):
@@ -1189,17 +1186,16 @@ def hold_job_file(path):
         import fcntl
     except ImportError:
         return None
-    lock, lock_path = None, Path(path).with_name(f'.{Path(path).name}.lock')
+    lock_path = Path(path).with_name(f'.{Path(path).name}.lock')
+    try:  # rw-r--r-- (0o666 less the umask), as open() makes files; NFS locks need writing
+        lock = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o666)
+    except PermissionError:  # another user's lock file: read-only will do for a local flock
+        lock = os.open(lock_path, os.O_RDONLY)
     try:
-        try:  # rw-r--r-- (0o666 less the umask), as open() makes files; NFS locks need writing
-            lock = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o666)
-        except PermissionError:  # another user's lock file: read-only will do for a local flock
-            lock = os.open(lock_path, os.O_RDONLY)
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         return lock
     except OSError as e:
-        if lock is not None:
-            os.close(lock)
+        os.close(lock)
         if isinstance(e, BlockingIOError):
             raise UserError(f'{path} is the file of a job that another process is running: wait '
                             'for it to end, or give another path') from None
@@ -1209,10 +1205,11 @@ def hold_job_file(path):
 
 
 def job_differences(a, b, keys=JOB_KEYS):
-    """'name (in a -> in b)' for each setting in which two jobs differ, hyperparameters singly."""
-    def settings(job):  # a copy, tuples as lists as a JSON file holds them; the data's image
-        job = json_ready(job)  # counts override --tiny's train_images and test_images
-        return {**job.pop('hyperparameters'), **{key: job[key] for key in keys if key in job}}
+    """'name (in a -> in b)' for each setting in which two jobs differ, hyperparameters singly;
+    the data's image counts override --tiny's train_images and test_images."""
+    def settings(job):
+        hyp = job['hyperparameters'] if 'hyperparameters' in keys else {}
+        return {**hyp, **{key: job[key] for key in keys if key != 'hyperparameters'}}
 
     def short(value):
         text = 'unset' if value is None else str(value)
@@ -1257,10 +1254,10 @@ def run_table_lines(run, runs_requested, source=''):
 def compare_lines(path_a, path_b):
     """--compare's report: each side's accuracies, B - A by Welch's t, the runs a side it needs."""
     a, b = read_job(path_a, '--compare'), read_job(path_b, '--compare')
-    for key in DATA_KEYS:
-        if a[key] != b[key]:
-            raise UserError(f'--compare: the two jobs did not test on the same data ({key}: '
-                            f'{a[key]} -> {b[key]}); their accuracies are not comparable')
+    differences = job_differences(a, b, DATA_KEYS)
+    if differences:
+        raise UserError(f"--compare: the jobs tested on different data, {', '.join(differences)}: "
+                        'their accuracies are not comparable')
     if any(run in b['runs'] for run in a['runs']):  # as read back: a NaN is a null
         raise UserError(f'--compare: {path_a} and {path_b} hold the same runs (one job twice, or '
                         'a copy of it?): a side must be a job of its own')
@@ -1298,8 +1295,6 @@ def compare_lines(path_a, path_b):
             f" would find a true difference of {100 * abs(w['diff']):.3f} points 80 % of the time "
             'at the 5 % level')
     return lines + [verdict, need]
-
-
 # ==== The command line, and main ===============================================================
 # --tiny: the same code path on a subset with a narrow network, so that a 2-core CPU finishes in
 # seconds and still learns well above chance. Its 184 steps are too few for an EMA at 0.99 (a
@@ -1347,24 +1342,7 @@ def in_notebook_cell():
     return os.path.basename(sys.argv[0]).endswith('kernel_launcher.py')
 
 
-def output_problem(path, must_be_new, paths):
-    """Why a job cannot write path (the OS's reason where it gives one), or None: one probe."""
-    if not path:
-        return 'an empty path (an unset shell variable?): give a file name'
-    if os.path.isdir(path):
-        return 'a folder: give a file name'
-    if paths.count(os.path.realpath(path)) > 1:
-        return "another output's path too: give each its own"
-    if must_be_new and os.path.exists(path):
-        return 'exists, and a new job overwrites no file: give another path, or delete it'
-    try:  # every file is written through a temporary file beside it
-        tempfile.TemporaryFile(dir=os.path.dirname(path) or '.').close()
-    except OSError as e:
-        return f'cannot write in its folder ({e.strerror})'
-    return None
-
-
-def check_options(args, hyp, world):
+def check_options(args, hyp, world, spread):
     """Refuse, before any work, what cannot make a sensible run: one line, '--option value: why'."""
     price, peak, batch = args.gpu_price, args.peak_tflops, hyp['batch_size']
     split = world * hyp['bn_split_size']  # each rank takes whole splits of ghost batch norm
@@ -1377,37 +1355,37 @@ def check_options(args, hyp, world):
               ('--gpu-price', price, price is None or price >= 0, 'must not be negative'),
               ('--peak-tflops', peak, peak is None or peak > 0, 'must be positive'),
               ('--json', args.json, args.json is None or args.resume is None,
-               '--resume goes on writing its own file: give --resume alone')]
-    outputs = dict(json=args.json, resume=args.resume, log_tsv=args.log_tsv, save=args.save)
-    paths = [os.path.realpath(path) for path in outputs.values() if path]
-    for name, path in outputs.items():
-        if path is not None:
-            problem = output_problem(path, name in ('log_tsv', 'save') and not args.resume, paths)
-            checks.append((f"--{name.replace('_', '-')}", path, problem is None, problem))
+               '--resume goes on writing its own file: give --resume alone'),
+              ('--spread', args.spread, not spread or args.json or args.resume,
+               'needs --json: the ranks hand their runs to rank 0 through files beside it')]
     for flag, value, sensible, why in checks:
         if not sensible:
             raise UserError(f'{flag} {value!r}: {why}')
-
-
-def prepare_data(args, hyp, local_rank, world):
-    """The data (the --tiny subset); one rank a machine downloads it if missing, the others wait."""
-    if world > 1 and local_rank != 0:
-        dist.barrier()
-    folder = ensure_cifar10(args.data_dir, args.data_url, CIFAR10_MD5)
-    if world > 1 and local_rank == 0:
-        dist.barrier()
-    data = load_cifar10(folder)
-    if args.tiny:
-        for key in ('train_images', 'train_labels', 'test_images', 'test_labels'):
-            data[key] = data[key][:hyp[key.replace('labels', 'images')]]
-    if hyp['batch_size'] > len(data['train_images']):
-        raise UserError(f"--batch-size {hyp['batch_size']}: larger than the "
-                        f"{len(data['train_images'])} training images")
-    return data
+    outputs = {'--json': args.json, '--resume': args.resume, '--log-tsv': args.log_tsv,
+               '--save': args.save}
+    paths = [os.path.realpath(path) for path in outputs.values() if path]
+    for flag, path in outputs.items():
+        if path is None:
+            continue
+        try:  # every file is written through a temporary file beside it
+            tempfile.TemporaryFile(dir=os.path.dirname(path) or '.').close()
+        except OSError as e:
+            raise UserError(f'{flag} {path!r}: cannot write in its folder ({e.strerror})') from None
+        exists = os.path.exists(path) or rank_files(path)  # a spread job's may outlive its file
+        if not path or os.path.isdir(path) or paths.count(os.path.realpath(path)) > 1:
+            why = "empty, a folder, or another option's too: give each a file name of its own"
+        elif flag == '--resume' and not exists:
+            why = 'no such file (a new job starts with --json)'
+        elif exists and not args.resume:  # a job file may hold hours of runs
+            why = ('exists (or its .rank files do), and a new job overwrites no file: give another '
+                   'path, or --resume the job whose --json file it is')
+        else:
+            continue
+        raise UserError(f'{flag} {path!r}: {why}')
 
 
 class Job:
-    """One command's runs and the files written after each: main calls set_up, then train."""
+    """One command's runs and the files rewritten after each: main calls set_up, then train."""
 
     def __init__(self, args):
         given = {name: getattr(args, name) for name in HYP_OPTIONS}
@@ -1419,26 +1397,17 @@ class Job:
         self.log = print if self.rank == 0 else (lambda *_, **__: None)
         self.path = args.resume or args.json  # the job file: a resumed job goes on writing its own
         self.runs, self.read_back, self.networks, self.lock = [], set(), None, None
-        self.context = self.started = self.kept_at = None
+        self.started = self.kept_at = None
 
     def set_up(self):
-        """Options, job file, device, dtype, data, the runs read back: all that is refused comes
-        before training."""
+        """All that can be refused, before any training: options, job file, device, data, the
+        runs read back; then the job file, if it lacks those its ranks' files held."""
         args, hyp, path = self.args, self.hyp, self.path
-        check_options(args, hyp, self.batch_ranks)
-        if self.spread and not path:
-            raise UserError('--spread runs needs --json: the ranks hand their runs to rank 0 '
-                            'through files beside it')
-        files = [file for file in [path, *rank_files(path)] if Path(file).exists()] if path else []
-        if args.resume and not files:  # (the job file gone, its ranks' files are read back)
-            read_job(path, '--resume')  # no such file: refused before a lock file is made
-        if files and not args.resume:  # hours of runs, maybe, or a spread job's ranks' runs
-            raise UserError(f'--json {path} exists, or the .rank files a spread job left beside it '
-                            'do: a new job overwrites no file; give another path, or --resume '
-                            f'{path} if it holds this job (it goes on, or adds runs)')
+        check_options(args, hyp, self.batch_ranks, self.spread)
         if path and self.rank == 0:
             self.lock = hold_job_file(path)  # one writer: a second job on it is refused
-        resumed = [(file, read_job(file, '--resume')) for file in files] if args.resume else []
+        files = [f for f in [path, *rank_files(path)] if os.path.exists(f)] if args.resume else []
+        resumed = [(file, read_job(file, '--resume')) for file in files]  # the job file may be gone
         self.device = pick_device(args.device, self.local_rank if self.world > 1 else None)
         self.compiled, self.channels_last = speed_settings(args, self.device)
         self.dtype = pick_dtype(args.dtype, self.device, self.channels_last)
@@ -1446,29 +1415,39 @@ class Job:
             join_process_group(self.device, not self.spread)  # spread: gloo, for barriers only
         if self.spread:  # torchrun stops every rank (SIGTERM) when one fails: end as Ctrl-C does
             signal.signal(signal.SIGTERM, signal.default_int_handler)
-        self.data = data = prepare_data(args, hyp, self.local_rank, self.world)
+        if self.world > 1 and self.local_rank != 0:  # one rank a machine downloads, others wait
+            dist.barrier()
+        folder = ensure_cifar10(args.data_dir, args.data_url, CIFAR10_MD5)
+        if self.world > 1 and self.local_rank == 0:
+            dist.barrier()
+        self.data = data = load_cifar10(folder)
+        if args.tiny:
+            for key in ('train_images', 'train_labels', 'test_images', 'test_labels'):
+                data[key] = data[key][:hyp[key.replace('labels', 'images')]]
+        if hyp['batch_size'] > len(data['train_images']):
+            raise UserError(f"--batch-size {hyp['batch_size']}: larger than the "
+                            f"{len(data['train_images'])} training images")
         self.fp32_math = fp32_precision(self.device, self.dtype)
         self.flops = count_flops(hyp, len(data['train_images']))
         self.peak = peak_tflops(self.device, self.dtype, args.peak_tflops)
-        context = dict(
+        self.context = json_ready(dict(
             script_sha256=script_hash(), torch=torch.__version__,
             device=device_description(self.device), ranks=self.batch_ranks, dtype=str(self.dtype),
             fp32_math=self.fp32_math, compile=self.compiled, channels_last=self.channels_last,
             hyperparameters=hyp, seed=args.seed, data=data['provenance'],
             data_digest=data['digest'],
             train_images=len(data['train_images']), test_images=len(data['test_images']),
-            flops=self.flops, peak_tflops=self.peak)
+            flops=self.flops, peak_tflops=self.peak))
         if self.spread:  # the ranks' runs make one job: every rank's settings must be rank 0's
             contexts = [None] * self.world
-            dist.all_gather_object(contexts, context)
+            dist.all_gather_object(contexts, self.context)
             differences = sorted({d for c in contexts for d in job_differences(contexts[0], c)})
             if differences:
                 raise UserError(f"the ranks differ in {', '.join(differences)} (rank 0 -> "
                                 "another): a --spread runs job's runs must be one job's; use "
                                 'machines alike')
-        self.runs = resumed_runs(resumed, context, args.runs)
+        self.runs = resumed_runs(resumed, self.context, args.runs)
         self.read_back = {run['run'] for run in self.runs}
-        self.context = context  # now a stop may write the files
         # the job file now if it lacks runs read back (its ranks'), or is a spread job's; a
         # finished job resumed keeps its file, summary included
         job_file = self.spread or bool(args.resume) and files != [path]
@@ -1488,8 +1467,7 @@ class Job:
                                    self.peak, self.world, self.fp32_math, self.spread)))
         for run in self.runs:
             log('\n'.join(run_table_lines(run, args.runs, f', read back from {args.resume}')))
-        done = {run['run'] for run in self.runs}
-        missing = [run for run in range(1, args.runs + 1) if run not in done]
+        missing = [run for run in range(1, args.runs + 1) if run not in self.read_back]
         if missing:
             log(f"\n{'compilation, then ' if self.compiled else ''}warm-up: an untimed run of 2 "
                 'steps and 2 evaluation batches takes the one-off costs', flush=True)
@@ -1498,7 +1476,7 @@ class Job:
         if self.device.type == 'cuda':
             torch.cuda.reset_peak_memory_stats(self.device)  # the runs', not the warm-up's
         self.started = time.perf_counter()
-        live = (lambda *_, **__: None) if self.spread else log  # spread: whole tables, in collect
+        live = (lambda *_, **__: None) if self.spread else log  # spread: whole tables, in keep
         for run in missing[self.rank::self.world] if self.spread else missing:
             seed = args.seed + run - 1
             live(f'\nrun {run}/{args.runs} (seed {seed})\n{table_line(COLUMNS)}', flush=True)
@@ -1508,19 +1486,18 @@ class Job:
             failed = len(rows) < hyp['epochs'] or not all(map(math.isfinite, losses))
             record = dict(run=run, seed=seed, failed=failed, compiled=self.compiled, rows=rows,
                           accuracy=rows[-1]['valid_acc'], time_s=rows[-1]['total_time'])
-            self.collect(record, saved=None if failed else record)
+            self.keep(record, saved=None if failed else record)
             if failed:
                 live(run_table_lines(record, args.runs)[-1])  # FAILED, below its rows
         while self.spread and self.rank == 0 and len(self.runs) < args.runs:
-            if not self.collect():  # the other ranks' last runs
+            if not self.keep():  # the other ranks' last runs
                 time.sleep(0.2)
         for path in rank_files(self.path) if self.rank == 0 and self.path else []:
             path.unlink()  # every run in it is in the job file
 
-    def collect(self, *records, saved=None):
-        """Keep finished runs: these, and on a spread job's rank 0 those the ranks left in their
-        files, printing each one's table; then rewrite the files, Ctrl-C held (saved: the run whose
-        EMA model --save keeps). Returns how many runs were kept."""
+    def keep(self, *records, saved=None):
+        """Keep finished runs: these, and on a spread job's rank 0 those its ranks left in their
+        files (printing their tables); rewrite the files, Ctrl-C held. Returns how many it kept."""
         with signals_held():  # from here a run given is kept: a stop waits for the block's end
             records = list(records)
             for path in rank_files(self.path) if self.spread and self.rank == 0 else []:
@@ -1537,9 +1514,8 @@ class Job:
         return len(records)
 
     def write(self, saved=None, job_file=True):
-        """Rewrite, each atomically, the job file (a spread job's other ranks: their rank files),
-        and on rank 0 --log-tsv and --save (saved: the run the networks' EMA model is of): after
-        every run, a crash at run 37 keeps runs 1-36. A failure stops the job."""
+        """Rewrite the job file (a spread job's other ranks: their rank files), and on rank 0
+        --log-tsv and --save (saved: the run whose EMA model it is). A failure stops the job."""
         args, runs = self.args, self.runs
         try:
             if self.path and job_file:
@@ -1556,11 +1532,10 @@ class Job:
                     for run in runs for row in run['rows']]
                 write_atomically(args.log_tsv, ('\n'.join(lines) + '\n').encode(), '--log-tsv')
             if args.save and saved and self.rank == 0:  # what it takes to rebuild the model
-                ema = self.networks.ema
-                checkpoint = dict(state_dict={k: v.cpu() for k, v in ema.state_dict().items()},
-                                  hyperparameters=self.hyp, classes=CLASSES, mean=CIFAR10_MEAN,
-                                  std=CIFAR10_STD, run=saved['run'], seed=saved['seed'],
-                                  accuracy=saved['accuracy'])
+                state = {k: v.cpu() for k, v in self.networks.ema.state_dict().items()}
+                checkpoint = dict(state_dict=state, hyperparameters=self.hyp, classes=CLASSES,
+                                  mean=CIFAR10_MEAN, std=CIFAR10_STD, run=saved['run'],
+                                  seed=saved['seed'], accuracy=saved['accuracy'])
                 buffer = io.BytesIO()  # in memory first: torch.save fails oddly on a full disk
                 torch.save(checkpoint, buffer)
                 write_atomically(args.save, buffer.getvalue(), '--save')
@@ -1576,11 +1551,11 @@ class Job:
                             flops=self.flops['run'], peak=self.peak, world=self.batch_ranks)
         if args.resume:
             summary.update(read_back=len(self.read_back), resumed_from=args.resume)
-        if trained and self.started:  # (a stop may come before the first run)
+        if trained:
             wall = self.kept_at - self.started  # to the end of the last run kept
             summary.update(wall_s=wall, runs_per_hour=3600 * trained / wall, ranks=self.world)
-        if self.device.type == 'cuda' and trained:
-            summary['peak_memory_gb'] = torch.cuda.max_memory_allocated(self.device) / 1e9
+            if self.device.type == 'cuda':
+                summary['peak_memory_gb'] = torch.cuda.max_memory_allocated(self.device) / 1e9
         return summary
 
 
@@ -1614,14 +1589,13 @@ def main(argv=None):
             leave_process_group()
             if job.lock is not None:
                 os.close(job.lock)  # which releases it; the lock file stays
-    with signals_held(discard=True):
-        if status == 130:
-            finished = f': summary of the {len(job.runs)} finished run(s)' if job.runs else ''
-            go_on = (f'; --resume {job.path}, with the job\'s other options, goes on'
-                     if job.path and Path(job.path).exists() else '')
-            job.log(f'\ninterrupted{finished}{go_on}')
-        if job.runs:
-            job.log('\n' + '\n'.join(summary_lines(job.summary())))
+            if status == 130:
+                finished = f': summary of the {len(job.runs)} finished run(s)' if job.runs else ''
+                go_on = (f"; --resume {job.path}, with the job's other options, goes on"
+                         if job.path and Path(job.path).exists() else '')
+                job.log(f'\ninterrupted{finished}{go_on}')
+            if job.runs:
+                job.log('\n' + '\n'.join(summary_lines(job.summary())))
     if status or (job.spread and job.rank != 0):  # a spread job's rank holds only some runs
         return status
     return 1 if len(job.runs) < args.runs or any(run['failed'] for run in job.runs) else 0
