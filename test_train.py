@@ -1082,6 +1082,7 @@ def test_fp32_precision_is_chosen_and_said(monkeypatch, tf32_allowed, device, dt
     a V100, 7.0, has none); a CPU: nothing to choose."""
     monkeypatch.setattr(torch.cuda, 'get_device_capability', lambda device=None: capability)
     said = T.fp32_precision(torch.device(device), dtype)
+    assert T.evaluates_in_tf32(torch.device(device), dtype) == bool(evaluation)
     if evaluation is None:
         assert said is None and torch.backends.cudnn.allow_tf32
     else:
@@ -1109,9 +1110,8 @@ def test_training_keeps_the_fold_in_true_fp32_and_only_the_evaluation_uses_tf32(
     """TF32 rounds to fp16's 10 mantissa bits: in the training step it would undo the fp32 fold of
     the whitening. The flags are read as each convolution and matrix product runs, as CUDA reads
     them; here a CPU stands in for a CUDA GPU that trains in fp16."""
-    monkeypatch.setattr(torch.cuda, 'get_device_capability', lambda device=None: (8, 0))  # an Ampere or later
-    assert T.fp32_precision(torch.device('cuda'), torch.float16) == T.TF32_IN_EVALUATION
-    monkeypatch.setattr(T, 'fp32_precision', lambda device, dtype: T.TF32_IN_EVALUATION)  # the CPU too
+    monkeypatch.setattr(T, 'evaluates_in_tf32', lambda device, dtype: True)  # an Ampere or later
+    T.fp32_precision(torch.device('cuda'), torch.float16)
     networks, hyp = small_networks()
     images, labels = torch.randn(64, 3, 32, 32), torch.arange(64) % 10
     with PrecisionLog() as training:

@@ -395,7 +395,7 @@ class Networks:
         self.optimiser = optimiser(self.network, hyp)
         self.summed_loss = torch.compile(summed_loss, dynamic=False) if compiled else summed_loss
         tta = torch.compile(flip_tta_logits, dynamic=False) if compiled else flip_tta_logits
-        self.flip_tta_logits = in_tf32(tta, device, dtype)
+        self.flip_tta_logits = in_tf32(tta) if evaluates_in_tf32(device, dtype) else tta
 
     @torch.no_grad()
     def reinitialise(self, whitening, seed):
@@ -677,34 +677,31 @@ def probe_run(device, dtype, channels_last):
             Networks(hyp, device, dtype, compiled=False, channels_last=channels_last), hyp)
 
 
-TF32_IN_EVALUATION = "TF32 for the EMA's evaluation only"
+def evaluates_in_tf32(device, dtype):
+    """Whether the EMA's fp32 evaluation may use TF32 (fp16's precision): CUDA 8.0+, fp16/bf16."""
+    return (device.type == 'cuda' and dtype != torch.float32
+            and torch.cuda.get_device_capability(device)[0] >= 8)
 
 
 def fp32_precision(device, dtype):
     """On CUDA, TF32 off for training (the folded whitening's gradient would round as in fp16), on
-    for the EMA's fp32 evaluation when training in fp16/bf16 on 8.0+ (in_tf32). Returns what the
-    header says of it; None off CUDA, whose CPUs and MPS compute fp32 as fp32."""
+    for the EMA's evaluation (in_tf32); returns what the header says of it, None off CUDA."""
     if device.type != 'cuda':
-        return None
+        return None  # CPUs and MPS compute fp32 as fp32
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
     warnings.filterwarnings('ignore', message='TensorFloat32 tensor cores')  # inductor's advice
-    if dtype == torch.float32 or torch.cuda.get_device_capability(device)[0] < 8:
-        return 'TF32 off'
-    return TF32_IN_EVALUATION
+    return "TF32 for the EMA's evaluation only" if evaluates_in_tf32(device, dtype) else 'TF32 off'
 
 
-def in_tf32(function, device, dtype):
-    """function, run with TF32 allowed where fp32_precision allows it, then off for training (a
-    compiled one compiles, once, with the flag so set)."""
-    if fp32_precision(device, dtype) != TF32_IN_EVALUATION:
-        return function
-
+def in_tf32(function):
+    """function, run with TF32 allowed (a compiled one compiles, once, with the flag so set)."""
     def call(*args):
+        saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
         torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = True
         try:
             return function(*args)
         finally:
-            torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+            torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
     return call
 
 
@@ -1295,6 +1292,8 @@ def compare_lines(path_a, path_b):
             f" would find a true difference of {100 * abs(w['diff']):.3f} points 80 % of the time "
             'at the 5 % level')
     return lines + [verdict, need]
+
+
 # ==== The command line, and main ===============================================================
 # --tiny: the same code path on a subset with a narrow network, so that a 2-core CPU finishes in
 # seconds and still learns well above chance. Its 184 steps are too few for an EMA at 0.99 (a
