@@ -1243,9 +1243,13 @@ def test_ctrl_c_at_any_stage_ends_cleanly(dataset, tmp_path, monkeypatch, capsys
     out = capsys.readouterr().out
     assert status == 130 and 'interrupted' in out
     if stage == 'train_run':
-        assert (f"interrupted: summary of the 1 finished run(s); --resume {tmp_path / 'r.json'}, with the job's "
-                'other options, goes on\n') in out and 'runs: 1 finished\n' in out
+        assert (f"interrupted: summary of the 1 finished run(s); --resume {tmp_path / 'r.json'} goes on\n"
+                in out and 'runs: 1 finished\n' in out)
         assert json.loads((tmp_path / 'r.json').read_text())['runs_finished'] == 1
+        monkeypatch.undo()                                        # the line's command, as it says
+        assert T.main(['--resume', str(tmp_path / 'r.json')]) == 0
+        runs = json.loads((tmp_path / 'r.json').read_text())['runs']
+        assert [(run['run'], run['seed'], len(run['rows'])) for run in runs] == [(1, 10, 1), (2, 11, 1), (3, 12, 1)]
     else:
         assert 'runs:' not in out and leftovers(tmp_path) == ['.r.json.lock']   # the lock file stays
         assert '--resume' not in out                                  # no job file to resume yet
@@ -1483,16 +1487,16 @@ def test_spread_runs_needs_json_and_keeps_a_ranks_runs_whose_job_file_is_gone(fi
     source, options = finished_job
     monkeypatch.setenv('WORLD_SIZE', '2')                         # rank 0 of 2, as torchrun starts it
     assert T.main([*options, '--spread', 'runs']) == 1
-    assert capsys.readouterr().err == ("error (rank 0): --spread 'runs': needs --json: the ranks hand their runs to "
-                                       'rank 0 through files beside it\n')
+    assert capsys.readouterr().err == ("error (rank 0): --spread 'runs': needs --json, beside which the ranks leave "
+                                       'their runs for rank 0\n')
     monkeypatch.delenv('WORLD_SIZE')
     job, path, rank_file = json.loads(source.read_text()), tmp_path / 'a.json', tmp_path / '.a.json.rank1'
     write_job(rank_file, {**job, 'runs': job['runs'][1:]})        # rank 1's run 2; a.json was deleted
     text = rank_file.read_bytes()
     assert T.main([*options, '--runs', '2', '--json', str(path)]) == 1
-    assert capsys.readouterr().err == (f"error: --json '{path}': exists (or its .rank files do), and a new job "
-                                       'overwrites no file: give another path, or --resume the job whose --json '
-                                       'file it is\n')
+    assert capsys.readouterr().err == (f"error: --json '{path}': exists (or the .rank files of a spread job beside "
+                                       'it do), and a new job overwrites no file: give another path, or --resume '
+                                       'it if it holds this job\n')
     assert rank_file.read_bytes() == text and not path.exists()
     assert T.main([*options, '--runs', '2', '--resume', str(path)]) == 0   # trains run 1 alone
     assert capsys.readouterr().out.count(f'read back from {path}') == 2   # the table's and the summary's
@@ -1710,9 +1714,9 @@ def test_json_on_a_job_file_refuses_to_overwrite_it(finished_job, tmp_path, monk
     monkeypatch.setattr(T, 'probe_run', lambda *args: pytest.fail('work started'))
     for file in (path, notes):
         assert T.main([*finished_job[1], '--runs', '4', '--json', str(file)]) == 1
-        assert capsys.readouterr().err == (f"error: --json '{file}': exists (or its .rank files do), and a new "
-                                           'job overwrites no file: give another path, or --resume the job '
-                                           'whose --json file it is\n')
+        assert capsys.readouterr().err == (f"error: --json '{file}': exists (or the .rank files of a spread job "
+                                           'beside it do), and a new job overwrites no file: give another path, '
+                                           'or --resume it if it holds this job\n')
     assert path.read_bytes() == text and notes.read_text() == 'my notes'
 
 
@@ -1741,15 +1745,20 @@ def test_every_setting_that_changes_a_runs_numbers_is_part_of_the_job(finished_j
     assert path.read_bytes() == text
 
 
-def test_resume_without_tiny_names_each_difference_once(finished_job, tmp_path, monkeypatch, capsys):
+def test_resume_takes_the_jobs_options_from_its_file(finished_job, tmp_path, monkeypatch, capsys):
+    """--resume alone goes on with the options the job was given (--tiny, --epochs, --data-dir, ...);
+    one typed beside it wins: --runs 3 adds a run, --cutout 8 would change the job and is refused."""
     source, options = finished_job
     path, text = copy_of(source, tmp_path)
-    no_training(monkeypatch)
-    assert T.main([o for o in options if o != '--tiny'] + ['--resume', str(path)]) == 1
+    monkeypatch.chdir(tmp_path)                                   # no ./data here: the file's --data-dir
+    assert T.main(['--resume', str(path), '--cutout', '8']) == 1
     err = capsys.readouterr().err
-    assert 'None' not in err and 'test_images' not in err and 'batch_size (64 -> 512)' in err
-    assert '(that job -> this one); resume it with its own options' in err
-    assert path.read_bytes() == text
+    assert err.count('cutout (0 -> 8)') == 1 and 'None' not in err and path.read_bytes() == text
+    assert '(that job -> this one); resume it on its kind of device, with no option that changes it' in err
+    assert T.main(['--resume', str(path), '--runs', '3']) == 0
+    job = T.read_job(path, '--resume')
+    assert [run['run'] for run in job['runs']] == [1, 2, 3] and len(job['runs'][2]['rows']) == 1
+    assert job['options']['data_dir'] == options[options.index('--data-dir') + 1] and job['options']['tiny']
 
 
 def test_compare_says_what_a_side_lacks_and_trains_nothing(finished_job, tmp_path, capsys):
@@ -1796,15 +1805,23 @@ def test_a_second_job_on_the_same_file_is_refused_while_the_first_runs(finished_
     lock = T.hold_job_file(path)                                  # a free read-only lock file is taken
     assert lock is not None
     os.close(lock)
+    opened = []                                                   # one its owner alone may open
+    def refused(*args):                                           # (root opens any: refused by hand)
+        opened.append(args[1])
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+    monkeypatch.setattr(os, 'open', refused)
+    capsys.readouterr()
+    assert T.hold_job_file(path) is None and opened == [os.O_RDWR | os.O_CREAT, os.O_RDONLY]
+    assert capsys.readouterr().err == (f'note: {path} cannot be locked here (Permission denied): nothing stops '
+                                       'a second job from writing it too\n')
 
 
 @pytest.mark.parametrize('argv, message', [
-    (['--resume', '{tmp}'], "error: --resume '{tmp}': empty, a folder, or another option's too: give each a file "
-                            'name of its own'),
+    (['--resume', '{tmp}'], "error: --resume '{tmp}': a folder: give a file name"),
     (['--json', '{tmp}/r.json', '--save', '{tmp}/r.json'],
-     "error: --json '{tmp}/r.json': empty, a folder, or another option's too: give each a file name of its own"),
-    (['--json', ''], "error: --json '': empty, a folder, or another option's too: give each a file name of its own"),
-    (['--resume', ''], "error: --resume '': empty, a folder, or another option's too: give each a file name of its own"),
+     "error: --json '{tmp}/r.json': another option's path too: give each its own"),
+    (['--json', ''], "error: --json '': an empty path (an unset shell variable?): give a file name"),
+    (['--resume', ''], "error: --resume '': an empty path (an unset shell variable?): give a file name"),
 ])
 def test_a_mistaken_path_gets_one_line(dataset, tmp_path, monkeypatch, capsys, argv, message):
     monkeypatch.setattr(T, 'probe_run', lambda *args: pytest.fail('work started'))
@@ -1817,9 +1834,9 @@ def test_a_mistaken_path_gets_one_line(dataset, tmp_path, monkeypatch, capsys, a
 @pytest.mark.parametrize('option, path, message', [
     ('--json', 'missing/r.json', r'cannot write in its folder \(No such file or directory\)$'),
     ('--log-tsv', 'a_file/r.tsv', r'cannot write in its folder \(Not a directory\)$'),
-    ('--save', '.', "': empty, a folder, or another option's too: give each a file name of its own$"),
-    ('--save', 'a_file', "': exists \\(or its .rank files do\\), and a new job overwrites no file: give another path"),
-    ('--log-tsv', 'a_file', 'exists \\(or its .rank files do\\), and a new job overwrites no file'),
+    ('--save', '.', "': a folder: give a file name$"),
+    ('--save', 'a_file', "': exists, and a new job overwrites no file: give another path, or delete it$"),
+    ('--log-tsv', 'a_file', 'exists, and a new job overwrites no file'),
 ])
 def test_output_paths_are_refused_before_any_work(dataset, tmp_path, monkeypatch, capsys, option, path, message):
     (tmp_path / 'a_file').write_text('')

@@ -2,7 +2,7 @@
 
     python train_cifar10.py --tiny                                # an install check, seconds
     python train_cifar10.py --epochs 10 --runs 50 --json a.json   # the recipe 50 times, a summary
-    python train_cifar10.py --epochs 10 --runs 50 --resume a.json # the same job, resumed
+    python train_cifar10.py --resume a.json                       # the same job, resumed
     python train_cifar10.py --epochs 10 --runs 50 --cutout 8 --json b.json   # a variant
     python train_cifar10.py --compare a.json b.json               # is the variant better?
     torchrun --nproc_per_node=8 train_cifar10.py --runs 800 --spread runs --json c.json  # 8 GPUs
@@ -669,12 +669,13 @@ def pick_dtype(name, device, channels_last):
 
 
 def probe_run(device, dtype, channels_last):
-    """A narrow network's warm-up on random images: what cannot train fails here, in seconds."""
+    """Two steps of a narrow network on random images: what cannot train fails here, in seconds."""
     images = np.random.default_rng(0).integers(0, 256, (128, 3, 32, 32), dtype=np.uint8)
     labels = np.arange(128) % NUM_CLASSES
-    hyp = {**HYP, 'channels': (8, 8, 8, 8), 'batch_size': 64, 'eval_batch_size': 64, 'cutout': 8}
-    warm_up(dict(train_images=images, train_labels=labels, test_images=images, test_labels=labels),
-            Networks(hyp, device, dtype, compiled=False, channels_last=channels_last), hyp)
+    hyp = {**HYP, 'channels': (8, 8, 8, 8), 'epochs': 1, 'batch_size': 64, 'eval_batch_size': 64,
+           'whitening_images': 128, 'cutout': 8}
+    data = dict(train_images=images, train_labels=labels, test_images=images, test_labels=labels)
+    train_run(data, Networks(hyp, device, dtype, False, channels_last), hyp, 0, lambda row: None)
 
 
 def evaluates_in_tf32(device, dtype):
@@ -1136,7 +1137,7 @@ def json_ready(x):
     return json.loads(json.dumps(x), parse_constant=lambda name: None)
 
 
-JOB_FORMAT = 'train_cifar10.py job, format 2'
+JOB_FORMAT = 'train_cifar10.py job, format 3'
 # A job's identity, which --resume refuses to mix and --compare shows: every setting that can change
 # a run's numbers (a CPU's device names its kernels and threads; compile: the one asked for).
 DATA_KEYS = ('data', 'data_digest', 'test_images')
@@ -1183,16 +1184,17 @@ def hold_job_file(path):
         import fcntl
     except ImportError:
         return None
-    lock_path = Path(path).with_name(f'.{Path(path).name}.lock')
-    try:  # rw-r--r-- (0o666 less the umask), as open() makes files; NFS locks need writing
-        lock = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o666)
-    except PermissionError:  # another user's lock file: read-only will do for a local flock
-        lock = os.open(lock_path, os.O_RDONLY)
+    lock, lock_path = None, Path(path).with_name(f'.{Path(path).name}.lock')
     try:
+        try:  # rw-r--r-- (0o666 less the umask), as open() makes files; NFS locks need writing
+            lock = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o666)
+        except PermissionError:  # another user's lock file: read-only will do for a local flock
+            lock = os.open(lock_path, os.O_RDONLY)
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         return lock
     except OSError as e:
-        os.close(lock)
+        if lock is not None:
+            os.close(lock)
         if isinstance(e, BlockingIOError):
             raise UserError(f'{path} is the file of a job that another process is running: wait '
                             'for it to end, or give another path') from None
@@ -1228,7 +1230,7 @@ def resumed_runs(files, context, runs_requested):
         if differences:
             raise UserError(f"--resume {path}: that job differs from this one in "
                             f"{', '.join(differences)} (that job -> this one){hint}; resume it "
-                            'with its own options, on its kind of device')
+                            'on its kind of device, with no option that changes it')
         for run in job['runs']:
             if run['run'] > runs_requested:
                 raise UserError(f"--resume {path} holds runs up to {job['runs'][-1]['run']}, more "
@@ -1303,8 +1305,9 @@ TINY = dict(epochs=4, batch_size=64, train_images=3000, test_images=500, channel
 HYP_OPTIONS = ('epochs', 'batch_size', 'cutout')  # their options' None keeps HYP's (TINY's) value
 
 
-def parse_args(argv):
-    """The options, a short line each: README.md's Options table is their reference."""
+def parse_args(argv, defaults=None):
+    """The options, a short line each: README.md's Options table is their reference. defaults: a
+    resumed job's own options, which those in argv override."""
     doc = (__doc__ or '').split('\n\n') + ['']  # the top of this file; none under python -OO
     parser = argparse.ArgumentParser(description=doc[0].split('\n')[0], allow_abbrev=False,
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -1326,13 +1329,14 @@ def parse_args(argv):
     add('--json', metavar='PATH', help="write the job: every run's rows, the summary")
     add('--log-tsv', metavar='PATH', help='write a DAWNBench TSV, one block of rows per run')
     add('--save', metavar='PATH', help="save the last finished run's EMA model")
-    add('--resume', metavar='PATH', help='continue the job of this --json file, in it')
+    add('--resume', metavar='PATH', help="continue this --json file's job, in it, with its options")
     add('--compare', nargs=2, metavar=('A.json', 'B.json'), help='compare two jobs; trains nothing')
     add('--gpu-price', type=float, metavar='USD_PER_HOUR', help='also report the cost per run')
     add('--compile', action=argparse.BooleanOptionalAction, help='(default: on, but mps, --tiny)')
     add('--spread', choices=['batches', 'runs'], default='batches',
         help='torchrun: split each batch over the ranks, or give each rank whole runs')
     add('--peak-tflops', type=float, metavar='TFLOPS', help="the device's peak, for the MFU")
+    parser.set_defaults(**(defaults or {}))
     return parser.parse_args(argv)
 
 
@@ -1356,7 +1360,7 @@ def check_options(args, hyp, world, spread):
               ('--json', args.json, args.json is None or args.resume is None,
                '--resume goes on writing its own file: give --resume alone'),
               ('--spread', args.spread, not spread or args.json or args.resume,
-               'needs --json: the ranks hand their runs to rank 0 through files beside it')]
+               'needs --json, beside which the ranks leave their runs for rank 0')]
     for flag, value, sensible, why in checks:
         if not sensible:
             raise UserError(f'{flag} {value!r}: {why}')
@@ -1364,43 +1368,57 @@ def check_options(args, hyp, world, spread):
                '--save': args.save}
     paths = [os.path.realpath(path) for path in outputs.values() if path]
     for flag, path in outputs.items():
-        if path is None:
-            continue
-        try:  # every file is written through a temporary file beside it
-            tempfile.TemporaryFile(dir=os.path.dirname(path) or '.').close()
-        except OSError as e:
-            raise UserError(f'{flag} {path!r}: cannot write in its folder ({e.strerror})') from None
-        exists = os.path.exists(path) or rank_files(path)  # a spread job's may outlive its file
-        if not path or os.path.isdir(path) or paths.count(os.path.realpath(path)) > 1:
-            why = "empty, a folder, or another option's too: give each a file name of its own"
-        elif flag == '--resume' and not exists:
-            why = 'no such file (a new job starts with --json)'
-        elif exists and not args.resume:  # a job file may hold hours of runs
-            why = ('exists (or its .rank files do), and a new job overwrites no file: give another '
-                   'path, or --resume the job whose --json file it is')
-        else:
-            continue
-        raise UserError(f'{flag} {path!r}: {why}')
+        if path is not None and (why := output_problem(flag, path, paths, args.resume)):
+            raise UserError(f'{flag} {path!r}: {why}')
+
+
+def output_problem(flag, path, paths, resume):
+    """Why a job cannot use path as flag's file (the OS's reason where it gives one), or None."""
+    if not path:
+        return 'an empty path (an unset shell variable?): give a file name'
+    if os.path.isdir(path):
+        return 'a folder: give a file name'
+    if paths.count(os.path.realpath(path)) > 1:
+        return "another option's path too: give each its own"
+    try:  # every file is written through a temporary file beside it
+        tempfile.TemporaryFile(dir=os.path.dirname(path) or '.').close()
+    except OSError as e:
+        return f'cannot write in its folder ({e.strerror})'
+    job_file = flag in ('--json', '--resume') and (os.path.exists(path) or rank_files(path))
+    if flag == '--resume' and not job_file:  # (a spread job's rank files may outlive its file)
+        return 'no such file (a new job starts with --json)'
+    if flag == '--json' and job_file:  # it may hold hours of runs
+        return ('exists (or the .rank files of a spread job beside it do), and a new job '
+                'overwrites no file: give another path, or --resume it if it holds this job')
+    if flag in ('--log-tsv', '--save') and not resume and os.path.exists(path):
+        return 'exists, and a new job overwrites no file: give another path, or delete it'
+    return None
 
 
 class Job:
     """One command's runs and the files rewritten after each: main calls set_up, then train."""
 
-    def __init__(self, args):
-        given = {name: getattr(args, name) for name in HYP_OPTIONS}
-        self.args, self.hyp = args, {**HYP, **(TINY if args.tiny else {}),
-                                     **{k: v for k, v in given.items() if v is not None}}
-        self.rank, self.local_rank, self.world = torchrun_ranks()
-        self.spread = args.spread == 'runs' and self.world > 1
-        self.batch_ranks = 1 if self.spread else self.world  # the ranks a batch is split over
+    def __init__(self, args, argv=()):
+        self.argv, (self.rank, self.local_rank, self.world) = argv, torchrun_ranks()
         self.log = print if self.rank == 0 else (lambda *_, **__: None)
         self.path = args.resume or args.json  # the job file: a resumed job goes on writing its own
         self.runs, self.read_back, self.networks, self.lock = [], set(), None, None
         self.started = self.kept_at = None
+        self.take_options(args)
+
+    def take_options(self, args):
+        """The options, and the hyperparameters and ranks' roles they give."""
+        given = {name: getattr(args, name) for name in HYP_OPTIONS}
+        self.args, self.hyp = args, {**HYP, **(TINY if args.tiny else {}),
+                                     **{k: v for k, v in given.items() if v is not None}}
+        self.spread = args.spread == 'runs' and self.world > 1
+        self.batch_ranks = 1 if self.spread else self.world  # the ranks a batch is split over
 
     def set_up(self):
         """All that can be refused, before any training: options, job file, device, data, the
         runs read back; then the job file, if it lacks those its ranks' files held."""
+        if self.args.resume and os.path.isfile(self.path):  # its options; those given here win
+            self.take_options(parse_args(self.argv, read_job(self.path, '--resume')['options']))
         args, hyp, path = self.args, self.hyp, self.path
         check_options(args, hyp, self.batch_ranks, self.spread)
         if path and self.rank == 0:
@@ -1522,8 +1540,9 @@ class Job:
                 if self.rank:  # a spread job's other rank: the runs it trained, for rank 0
                     path = path.with_name(f'.{path.name}.rank{self.rank}')
                     runs = [run for run in runs if run['run'] not in self.read_back]
-                job = dict(self.context, runs_finished=len(runs), runs_requested=args.runs,
-                           runs=runs, summary=self.summary())
+                options = {k: v for k, v in vars(args).items() if k not in ('json', 'resume')}
+                job = dict(self.context, options=options, runs_finished=len(runs),
+                           runs_requested=args.runs, runs=runs, summary=self.summary())
                 write_atomically(path, job_file_text(job).encode(), '--json')
             if args.log_tsv and self.rank == 0:
                 lines = ['epoch\thours\ttop1Accuracy'] + [
@@ -1567,7 +1586,7 @@ def main(argv=None):
         args = parse_args(argv)
     except SystemExit as e:  # a usage error (2) or --help (0): a status, also in a notebook
         return e.code
-    job, status = Job(args), 0
+    job, status = Job(args, argv), 0
     try:
         if args.compare:  # trains nothing: print the comparison of two jobs
             beside = [a.split('=')[0] for a in argv if a.startswith('-') and a != '--compare']
@@ -1590,7 +1609,7 @@ def main(argv=None):
                 os.close(job.lock)  # which releases it; the lock file stays
             if status == 130:
                 finished = f': summary of the {len(job.runs)} finished run(s)' if job.runs else ''
-                go_on = (f"; --resume {job.path}, with the job's other options, goes on"
+                go_on = (f'; --resume {job.path} goes on'
                          if job.path and Path(job.path).exists() else '')
                 job.log(f'\ninterrupted{finished}{go_on}')
             if job.runs:
