@@ -2391,8 +2391,10 @@ def test_spread_runs_train_the_runs_of_one_process_and_rank_0_writes_them_in_ord
     assert result.returncode == 0, result.stderr
     job, one = T.read_job(tmp_path / 'r.json', '--json'), one_process_job
     assert [without_times(r) for r in job['runs']] == [without_times(r) for r in one['runs']]
-    assert {k: v for k, v in job.items() if k not in ('runs', 'summary')} == \
-        {k: v for k, v in one.items() if k not in ('runs', 'summary')}      # the same job, ranks 1
+    def settings(job):                                            # options: --spread runs, --save, ...
+        return {k: v for k, v in job.items() if k not in ('runs', 'summary', 'options')}
+    assert settings(job) == settings(one)                                # the same job, ranks 1
+    assert (job['options']['spread'], one['options']['spread']) == ('runs', 'batches')
     titles = [line for line in result.stdout.splitlines() if line.startswith('run ') and ' (seed ' in line]
     assert sorted(titles) == [f'run {k}/4 (seed {k - 1})' for k in range(1, 5)]   # as they arrive
     assert '2 ranks (gloo), each training whole runs' in result.stdout
