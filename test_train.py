@@ -1252,7 +1252,7 @@ def test_ctrl_c_at_any_stage_ends_cleanly(dataset, tmp_path, monkeypatch, capsys
         assert [(run['run'], run['seed'], len(run['rows'])) for run in runs] == [(1, 10, 1), (2, 11, 1), (3, 12, 1)]
     else:
         assert 'runs:' not in out and leftovers(tmp_path) == ['.r.json.lock']   # the lock file stays
-        assert '--resume' not in out                                  # no job file to resume yet
+        assert out.endswith('interrupted; no run was finished: run the same command again\n')   # no --resume yet
 
 
 def test_ctrl_c_as_a_finished_job_ends_changes_nothing(finished_job, tmp_path, monkeypatch, capsys):
@@ -1733,7 +1733,7 @@ def test_every_setting_that_changes_a_runs_numbers_is_part_of_the_job(finished_j
     with monkeypatch.context() as patch:
         patch.setattr(torch, 'get_num_threads', lambda: threads + 1)
         assert T.main([*options, '--runs', '3', '--resume', str(path)]) == 1
-    assert re.search(rf'device \(CPU .* -> CPU \(.*\b{threads + 1} threads\)\) \(that job -> this one\) '
+    assert re.search(rf"device \(CPU .* -> CPU \(.*\b{threads + 1} threads\)\), that job's -> this one's "
                      rf'\(OMP_NUM_THREADS={threads} gives that job its threads\)', capsys.readouterr().err)
     other = next(c for c in ('AVX512', 'AVX2') if c != torch.backends.cpu.get_cpu_capability())
     monkeypatch.setattr(torch.backends.cpu, 'get_cpu_capability', lambda: other)  # not the job's
@@ -1754,8 +1754,16 @@ def test_resume_takes_the_jobs_options_from_its_file(finished_job, tmp_path, mon
     assert T.main(['--resume', str(path), '--cutout', '8']) == 1
     err = capsys.readouterr().err
     assert err.count('cutout (0 -> 8)') == 1 and 'None' not in err and path.read_bytes() == text
-    assert '(that job -> this one); resume it on its kind of device, with no option that changes it' in err
-    assert T.main(['--resume', str(path), '--runs', '3']) == 0
+    assert err.endswith("that job's -> this one's: resume it on its kind of device without an option that "
+                        'changes it, or give a new job its own --json\n')
+
+    def ctrl_c(*args):
+        raise KeyboardInterrupt
+    with monkeypatch.context() as patch:                          # Ctrl-C once set up: --runs 3 is kept
+        patch.setattr(T, 'compiled_warm_up', ctrl_c)
+        assert T.main(['--resume', str(path), '--runs', '3']) == 130
+    assert T.read_job(path, '--resume')['runs_requested'] == 3
+    assert T.main(['--resume', str(path)]) == 0
     job = T.read_job(path, '--resume')
     assert [run['run'] for run in job['runs']] == [1, 2, 3] and len(job['runs'][2]['rows']) == 1
     assert job['options']['data_dir'] == options[options.index('--data-dir') + 1] and job['options']['tiny']
@@ -1832,8 +1840,8 @@ def test_a_mistaken_path_gets_one_line(dataset, tmp_path, monkeypatch, capsys, a
 
 
 @pytest.mark.parametrize('option, path, message', [
-    ('--json', 'missing/r.json', r'cannot write in its folder \(No such file or directory\)$'),
-    ('--log-tsv', 'a_file/r.tsv', r'cannot write in its folder \(Not a directory\)$'),
+    ('--json', 'missing/r.json', r'cannot write in its folder .*/missing \(No such file or directory\)$'),
+    ('--log-tsv', 'a_file/r.tsv', r'cannot write in its folder .*/a_file \(Not a directory\)$'),
     ('--save', '.', "': a folder: give a file name$"),
     ('--save', 'a_file', "': exists, and a new job overwrites no file: give another path, or delete it$"),
     ('--log-tsv', 'a_file', 'exists, and a new job overwrites no file'),

@@ -1229,8 +1229,9 @@ def resumed_runs(files, context, runs_requested):
                 if all(threads) and threads[0][1] != threads[1][1] else '')  # torchrun's ranks: 1
         if differences:
             raise UserError(f"--resume {path}: that job differs from this one in "
-                            f"{', '.join(differences)} (that job -> this one){hint}; resume it "
-                            'on its kind of device, with no option that changes it')
+                            f"{', '.join(differences)}, that job's -> this one's{hint}: resume it "
+                            'on its kind of device without an option that changes it, or give '
+                            'a new job its own --json')
         for run in job['runs']:
             if run['run'] > runs_requested:
                 raise UserError(f"--resume {path} holds runs up to {job['runs'][-1]['run']}, more "
@@ -1332,7 +1333,8 @@ def parse_args(argv, defaults=None):
     add('--resume', metavar='PATH', help="continue this --json file's job, in it, with its options")
     add('--compare', nargs=2, metavar=('A.json', 'B.json'), help='compare two jobs; trains nothing')
     add('--gpu-price', type=float, metavar='USD_PER_HOUR', help='also report the cost per run')
-    add('--compile', action=argparse.BooleanOptionalAction, help='(default: on, but mps, --tiny)')
+    add('--compile', action=argparse.BooleanOptionalAction,
+        help='(default: on; off on mps, --tiny)')
     add('--spread', choices=['batches', 'runs'], default='batches',
         help='torchrun: split each batch over the ranks, or give each rank whole runs')
     add('--peak-tflops', type=float, metavar='TFLOPS', help="the device's peak, for the MFU")
@@ -1383,7 +1385,7 @@ def output_problem(flag, path, paths, resume):
     try:  # every file is written through a temporary file beside it
         tempfile.TemporaryFile(dir=os.path.dirname(path) or '.').close()
     except OSError as e:
-        return f'cannot write in its folder ({e.strerror})'
+        return f'cannot write in its folder {os.path.dirname(path) or "."} ({e.strerror})'
     job_file = flag in ('--json', '--resume') and (os.path.exists(path) or rank_files(path))
     if flag == '--resume' and not job_file:  # (a spread job's rank files may outlive its file)
         return 'no such file (a new job starts with --json)'
@@ -1465,9 +1467,10 @@ class Job:
                                 'machines alike')
         self.runs = resumed_runs(resumed, self.context, args.runs)
         self.read_back = {run['run'] for run in self.runs}
-        # the job file now if it lacks runs read back (its ranks'), or is a spread job's; a
-        # finished job resumed keeps its file, summary included
-        job_file = self.spread or bool(args.resume) and files != [path]
+        # the job file now if it lacks runs read back (its ranks'), asks for other --runs, or is a
+        # spread job's; a finished job resumed as it was keeps its file, summary included
+        job_file = self.spread or bool(args.resume) and (
+            files != [path] or resumed[0][1]['runs_requested'] != args.runs)
         if self.rank == 0 and (job_file or self.runs and args.log_tsv):
             with signals_held():
                 self.write(job_file=job_file)
@@ -1610,7 +1613,8 @@ def main(argv=None):
             if status == 130:
                 finished = f': summary of the {len(job.runs)} finished run(s)' if job.runs else ''
                 go_on = (f'; --resume {job.path} goes on'
-                         if job.path and Path(job.path).exists() else '')
+                         if job.path and Path(job.path).exists() else
+                         '; no run was finished: run the same command again' if job.path else '')
                 job.log(f'\ninterrupted{finished}{go_on}')
             if job.runs:
                 job.log('\n' + '\n'.join(summary_lines(job.summary())))
