@@ -1313,6 +1313,7 @@ def parse_args(argv, defaults=None):
     parser = argparse.ArgumentParser(description=doc[0].split('\n')[0], allow_abbrev=False,
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog=f'examples:\n{doc[1]}\n\nREADME.md says more.')
+    parser.error = lambda why: parser.exit(2, f'error: {why}; --help lists the options\n')
     add = parser.add_argument
     add('--epochs', type=int, help=f"(default: {HYP['epochs']}, --tiny {TINY['epochs']})")
     add('--runs', type=int, default=1, help='runs, with seeds seed, seed+1, ... (default: 1)')
