@@ -2144,9 +2144,20 @@ def test_real_copy_has_the_official_counts():
 # Data-parallel training under torchrun, on the CPU with gloo
 # ---------------------------------------------------------------------------------------------
 def torchrun(*args, nproc=2):
-    return subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone',
-                           f'--nproc_per_node={nproc}', *map(str, args)],
-                          capture_output=True, text=True, timeout=300)
+    return finished(subprocess.Popen([sys.executable, '-m', 'torch.distributed.run', '--standalone',
+                                      f'--nproc_per_node={nproc}', *map(str, args)], stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True, start_new_session=True))
+
+
+def finished(job, timeout=300):
+    """The CompletedProcess of a torchrun job started in a process group of its own. Past the
+    timeout the whole group is killed: a hung rank holds the output pipes, so that killing torchrun
+    alone (as subprocess.run would) leaves the suite waiting for ever."""
+    try:
+        out, err = job.communicate(timeout=timeout)
+    finally:
+        stop_group(job)
+    return subprocess.CompletedProcess(job.args, job.returncode, out, err)
 
 
 COUNTS_THREADS = """
@@ -2358,10 +2369,9 @@ def spread_job(dataset, folder, *args, nproc=2, wait=True):
     command = [sys.executable, '-m', 'torch.distributed.run', '--standalone', f'--nproc_per_node={nproc}',
                str(SCRIPT), *SPREAD, '--spread', 'runs', '--data-dir', str(dataset), '--log-tsv',
                str(folder / 'r.tsv'), '--save', str(folder / 'ema.pt'), *map(str, args)]
-    if wait:
-        return subprocess.run(command, capture_output=True, text=True, timeout=300)
-    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)                 # a group, as a terminal's job
+    job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           start_new_session=True)                  # a group, as a terminal's job
+    return finished(job) if wait else job
 
 
 def stop_group(job):
@@ -2388,28 +2398,6 @@ def one_process_job(dataset, tmp_path_factory):
     return T.read_job(path, '--json')
 
 
-def test_spread_runs_train_the_runs_of_one_process_and_rank_0_writes_them_in_order(dataset, tmp_path,
-                                                                                 one_process_job):
-    """Rank r trains runs r+1, r+1+N, ...: every run's record is the one-process job's, but for the
-    clocks; each table comes once; the files are whole, the runs in run order."""
-    result = spread_job(dataset, tmp_path, '--json', tmp_path / 'r.json')
-    assert result.returncode == 0, result.stderr
-    job, one = T.read_job(tmp_path / 'r.json', '--json'), one_process_job
-    assert [without_times(r) for r in job['runs']] == [without_times(r) for r in one['runs']]
-    def settings(job):                                            # options: --spread runs, --save, ...
-        return {k: v for k, v in job.items() if k not in ('runs', 'summary', 'options')}
-    assert settings(job) == settings(one)                                # the same job, ranks 1
-    assert (job['options']['spread'], one['options']['spread']) == ('runs', 'batches')
-    titles = [line for line in result.stdout.splitlines() if line.startswith('run ') and ' (seed ' in line]
-    assert sorted(titles) == [f'run {k}/4 (seed {k - 1})' for k in range(1, 5)]   # as they arrive
-    assert '2 ranks (gloo), each training whole runs' in result.stdout
-    assert re.search(r'job: 4 runs in [\d.]+ s of wall time after the warm-up over 2 ranks, \d+ runs an hour',
-                     result.stdout)
-    assert len((tmp_path / 'r.tsv').read_text().splitlines()) == 1 + 4
-    assert torch.load(tmp_path / 'ema.pt')['run'] == 3                       # rank 0's last: runs 1, 3
-    assert [p.name for p in tmp_path.glob('.*')] == ['.r.json.lock']         # no rank file, no part left
-
-
 def rank_process(parent, rank):
     """The pid of torchrun's worker of that rank, found in /proc by its parent and RANK."""
     for child in Path('/proc').iterdir():
@@ -2427,7 +2415,8 @@ def rank_process(parent, rank):
 def test_a_spread_job_that_loses_a_rank_resumes_in_one_process(dataset, tmp_path, one_process_job):
     """SIGKILL to rank 1 once run 1 is on disk: torchrun stops the job, what was finished stays (in
     the job's file and rank 1's), and the job resumes in one process to the uninterrupted job's runs.
-    (test_a_rank_that_fails_stops_the_spread_job_and_resume_trains_the_rest resumes one on 2 ranks.)"""
+    (test_spread_runs_train_the_runs_of_one_process_and_a_rank_that_fails_costs_only_its_run resumes one
+    on 2 ranks.)"""
     path = tmp_path / 'r.json'
     job = spread_job(dataset, tmp_path, '--json', path, wait=False)
     try:
@@ -2467,21 +2456,38 @@ sys.exit(T.main())
 """
 
 
-def test_a_rank_that_fails_stops_the_spread_job_and_resume_trains_the_rest(dataset, tmp_path, one_process_job):
-    """Rank 1 raises as its second run, run 4, starts, after rank 0 has kept runs 1-3 (rank 1's run
-    2 among them): torchrun stops rank 0, which keeps them. Resumed on 2 ranks, run 4 is rank 0's
-    and rank 1, with no run to train, ends cleanly; the runs are the one-process job's."""
+def test_spread_runs_train_the_runs_of_one_process_and_a_rank_that_fails_costs_only_its_run(dataset, tmp_path,
+                                                                                          one_process_job):
+    """Rank r trains runs r+1, r+1+N, ...; rank 0 keeps the others' runs as they arrive, and prints
+    each table once. Rank 1 raises as its second run, run 4, starts, after rank 0 has kept runs 1-3
+    (rank 1's run 2 among them): torchrun stops rank 0, which keeps them. Resumed on 2 ranks, run 4
+    is rank 0's and rank 1, with no run to train, ends cleanly. Every run's record is the
+    one-process job's but for the clocks; the files are whole, the runs in run order."""
     path, worker = tmp_path / 'r.json', tmp_path / 'worker.py'
     worker.write_text(RANK_1_FAILS_IN_RUN_4.format(repo=str(SCRIPT.parent), path=str(path)))
-    result = torchrun(worker, *SPREAD, '--spread', 'runs', '--data-dir', dataset, '--json', path)
+    result = torchrun(worker, *SPREAD, '--spread', 'runs', '--data-dir', dataset, '--json', path,
+                      '--log-tsv', tmp_path / 'r.tsv', '--save', tmp_path / 'ema.pt')
     assert result.returncode != 0 and 'RuntimeError: rank 1 fails in run 4' in result.stderr
+    assert '2 ranks (gloo), each training whole runs' in result.stdout
+    titles = [line for line in result.stdout.splitlines() if line.startswith('run ') and ' (seed ' in line]
+    assert sorted(titles) == [f'run {k}/4 (seed {k - 1})' for k in (1, 2, 3)]   # in the order they came
     assert [r['run'] for r in T.read_job(path, '--json')['runs']] == [1, 2, 3]
+    assert len((tmp_path / 'r.tsv').read_text().splitlines()) == 1 + 3
+    assert torch.load(tmp_path / 'ema.pt')['run'] == 3                       # rank 0's last: runs 1, 3
     resumed = spread_job(dataset, tmp_path, '--resume', path)
     assert resumed.returncode == 0, resumed.stderr
     assert resumed.stdout.count('run 4/4 (seed 3)') == 1 and 'runs: 4 finished (3 read back' in resumed.stdout
-    expected = [without_times(r) for r in one_process_job['runs']]
-    assert [without_times(r) for r in T.read_job(path, '--json')['runs']] == expected
-    assert [p.name for p in tmp_path.glob('.r.json.*')] == ['.r.json.lock']   # no rank file, no part left
+    assert re.search(r'job: 1 run in [\d.]+ s of wall time after the warm-up over 2 ranks, \d+ runs an hour',
+                     resumed.stdout)
+    job, one = T.read_job(path, '--json'), one_process_job
+    assert [without_times(r) for r in job['runs']] == [without_times(r) for r in one['runs']]
+    def settings(job):                                            # options: --spread runs, --save, ...
+        return {k: v for k, v in job.items() if k not in ('runs', 'summary', 'options')}
+    assert settings(job) == settings(one)                                # the same job, ranks 1
+    assert (job['options']['spread'], one['options']['spread']) == ('runs', 'batches')
+    assert len((tmp_path / 'r.tsv').read_text().splitlines()) == 1 + 4
+    assert torch.load(tmp_path / 'ema.pt')['run'] == 4
+    assert [p.name for p in tmp_path.glob('.*')] == ['.r.json.lock']         # no rank file, no part left
 
 
 @pytest.mark.parametrize('discard', [False, True])
