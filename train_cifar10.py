@@ -567,7 +567,9 @@ def ensure_cifar10(data_dir, url=CIFAR10_URL, md5=CIFAR10_MD5):
         return data_dir
     if data_dir.is_file():
         raise UserError(f'--data-dir {data_dir} is a file, not a folder')
-    hint = '' if data_dir.exists() else ' (is that path right?)'  # likelier than a network fault
+    made = [folder for folder in [data_dir.resolve(), *data_dir.resolve().parents]
+            if not folder.exists()]  # removed again if this fails
+    hint = ' (is that path right?)' if made else ''  # likelier than a network fault
     archive = data_dir / CIFAR10_URL.rsplit('/', 1)[-1]  # whatever the mirror's url
     try:
         if not (data_dir / BATCHES_DIR).is_dir():
@@ -578,6 +580,10 @@ def ensure_cifar10(data_dir, url=CIFAR10_URL, md5=CIFAR10_MD5):
     except (OSError, UserError) as e:  # OSError: mkdir's
         why = e.strerror if isinstance(e, OSError) else e
         raise UserError(f'no CIFAR-10 in --data-dir {data_dir}{hint}; {why}') from None
+    finally:
+        for folder in made:  # deepest first; one that holds anything stays
+            with contextlib.suppress(OSError):
+                folder.rmdir()
     return data_dir / BATCHES_DIR
 
 
@@ -1179,8 +1185,11 @@ def hold_job_file(path):
     except ImportError:
         return None
     lock, lock_path = None, Path(path).with_name(f'.{Path(path).name}.lock')
-    try:  # rw-r--r-- (0o666 less the umask), as open() makes files; NFS locks need writing
-        lock = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        try:  # rw-r--r-- (0o666 less the umask), as open() makes files; NFS locks need writing
+            lock = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o666)
+        except PermissionError:  # another user's lock file: read-only will do for a local flock
+            lock = os.open(lock_path, os.O_RDONLY)
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         return lock
     except OSError as e:
