@@ -2151,14 +2151,14 @@ def test_real_copy_has_the_official_counts():
 # ---------------------------------------------------------------------------------------------
 def torchrun(*args, nproc=2):
     return finished(subprocess.Popen([sys.executable, '-m', 'torch.distributed.run', '--standalone',
-                                      f'--nproc_per_node={nproc}', *map(str, args)], stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True, start_new_session=True))
+                                      f'--nproc_per_node={nproc}', *map(str, args)],
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
 
 
 def finished(job, timeout=300):
-    """The CompletedProcess of a torchrun job started in a process group of its own. Past the
-    timeout the whole group is killed: a hung rank holds the output pipes, so that killing torchrun
-    alone (as subprocess.run would) leaves the suite waiting for ever."""
+    """The CompletedProcess of a torchrun job; past the timeout (or at a Ctrl-C) it is stopped, ranks
+    and all, and the test fails. (subprocess.run would kill torchrun alone, then wait for ever on the
+    output pipes that its ranks hold.)"""
     try:
         out, err = job.communicate(timeout=timeout)
     finally:
@@ -2381,10 +2381,11 @@ def spread_job(dataset, folder, *args, nproc=2, wait=True):
 
 
 def stop_group(job):
-    """SIGKILL whatever of the job's process group is left (torchrun and its ranks), and reap it."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(job.pid, signal.SIGKILL)
-    job.wait(timeout=60)
+    """Stop a torchrun job that is still running, and reap it: on SIGTERM torchrun stops its ranks,
+    which a signal to its process group would not reach (each rank has a session of its own)."""
+    if job.poll() is None:
+        job.terminate()
+        job.communicate(timeout=60)                                 # the ranks' ends of the pipes close
 
 
 def wait_for_a_run(path, job):
@@ -2452,9 +2453,10 @@ import train_cifar10 as T
 rank, _, _ = T.torchrun_ranks()
 real, path = T.train_run, Path({path!r})
 def train_run(data, networks, hyp, seed, *args, **kwargs):
-    if rank == 1 and seed == 3:                    # rank 1's second run, run 4, once runs 1-3 are in the file
-        while not (path.exists() and len(json.loads(path.read_text())['runs']) == 3):
+    if rank == 1 and seed in (3, 4):               # run 4 once runs 1-3 are in the file, run 5 once 1-4 are
+        while not (path.exists() and len(json.loads(path.read_text())['runs']) == seed):
             time.sleep(0.1)
+    if rank == 1 and seed == 3:
         raise RuntimeError('rank 1 fails in run 4')
     return real(data, networks, hyp, seed, *args, **kwargs)
 T.train_run = train_run
@@ -2466,9 +2468,10 @@ def test_spread_runs_train_the_runs_of_one_process_and_a_rank_that_fails_costs_o
                                                                                           one_process_job):
     """Rank r trains runs r+1, r+1+N, ...; rank 0 keeps the others' runs as they arrive, and prints
     each table once. Rank 1 raises as its second run, run 4, starts, after rank 0 has kept runs 1-3
-    (rank 1's run 2 among them): torchrun stops rank 0, which keeps them. Resumed on 2 ranks, run 4
-    is rank 0's and rank 1, with no run to train, ends cleanly. Every run's record is the
-    one-process job's but for the clocks; the files are whole, the runs in run order."""
+    (rank 1's run 2 among them): torchrun stops rank 0, which keeps them. Resumed on 2 ranks with a
+    run more, run 4 is rank 0's and run 5 rank 1's, which starts once run 4 is kept: rank 0 waits
+    for it. Every run's record is the one-process job's but for the clocks; the files are whole,
+    the runs in run order."""
     path, worker = tmp_path / 'r.json', tmp_path / 'worker.py'
     worker.write_text(RANK_1_FAILS_IN_RUN_4.format(repo=str(SCRIPT.parent), path=str(path)))
     result = torchrun(worker, *SPREAD, '--spread', 'runs', '--data-dir', dataset, '--json', path,
@@ -2480,19 +2483,22 @@ def test_spread_runs_train_the_runs_of_one_process_and_a_rank_that_fails_costs_o
     assert [r['run'] for r in T.read_job(path, '--json')['runs']] == [1, 2, 3]
     assert len((tmp_path / 'r.tsv').read_text().splitlines()) == 1 + 3
     assert torch.load(tmp_path / 'ema.pt')['run'] == 3                       # rank 0's last: runs 1, 3
-    resumed = spread_job(dataset, tmp_path, '--resume', path)
+    resumed = torchrun(worker, '--resume', path, '--runs', '5')                # the job's options, 1 run more
     assert resumed.returncode == 0, resumed.stderr
-    assert resumed.stdout.count('run 4/4 (seed 3)') == 1 and 'runs: 4 finished (3 read back' in resumed.stdout
-    assert re.search(r'job: 1 run in [\d.]+ s of wall time after the warm-up over 2 ranks, \d+ runs an hour',
+    assert resumed.stdout.count('run 4/5 (seed 3)') == resumed.stdout.count('run 5/5 (seed 4)') == 1
+    assert 'runs: 5 finished (3 read back' in resumed.stdout
+    assert re.search(r'job: 2 runs in [\d.]+ s of wall time after the warm-up over 2 ranks, \d+ runs an hour',
                      resumed.stdout)
     job, one = T.read_job(path, '--json'), one_process_job
-    assert [without_times(r) for r in job['runs']] == [without_times(r) for r in one['runs']]
+    assert [without_times(r) for r in job['runs'][:4]] == [without_times(r) for r in one['runs']]
+    assert (job['runs'][4]['run'], job['runs'][4]['seed'], job['runs'][4]['failed']) == (5, 4, False)
     def settings(job):                                            # options: --spread runs, --save, ...
-        return {k: v for k, v in job.items() if k not in ('runs', 'summary', 'options')}
+        return {k: v for k, v in job.items() if k not in ('runs', 'summary', 'options', 'runs_finished',
+                                                          'runs_requested')}
     assert settings(job) == settings(one)                                # the same job, ranks 1
     assert (job['options']['spread'], one['options']['spread']) == ('runs', 'batches')
-    assert len((tmp_path / 'r.tsv').read_text().splitlines()) == 1 + 4
-    assert torch.load(tmp_path / 'ema.pt')['run'] == 4
+    assert len((tmp_path / 'r.tsv').read_text().splitlines()) == 1 + 5
+    assert torch.load(tmp_path / 'ema.pt')['run'] == 4                       # rank 0's: run 5 is rank 1's
     assert [p.name for p in tmp_path.glob('.*')] == ['.r.json.lock']         # no rank file, no part left
 
 
