@@ -2162,7 +2162,7 @@ def finished(job, timeout=300):
     try:
         out, err = job.communicate(timeout=timeout)
     finally:
-        stop_group(job)
+        stop_torchrun(job)
     return subprocess.CompletedProcess(job.args, job.returncode, out, err)
 
 
@@ -2380,7 +2380,7 @@ def spread_job(dataset, folder, *args, nproc=2, wait=True):
     return finished(job) if wait else job
 
 
-def stop_group(job):
+def stop_torchrun(job):
     """Stop a torchrun job that is still running, and reap it: on SIGTERM torchrun stops its ranks,
     which a signal to its process group would not reach (each rank has a session of its own)."""
     if job.poll() is None:
@@ -2433,7 +2433,7 @@ def test_a_spread_job_that_loses_a_rank_resumes_in_one_process(dataset, tmp_path
         os.kill(rank_1, signal.SIGKILL)
         job.communicate(timeout=120)
     finally:
-        stop_group(job)
+        stop_torchrun(job)
     assert job.returncode != 0
     kept = T.read_job(path, '--json')['runs']
     assert 1 <= len(kept) < 4
@@ -2535,7 +2535,7 @@ def test_ctrl_c_stops_every_rank_of_a_spread_job_with_its_runs_on_disk(dataset, 
         os.killpg(job.pid, signal.SIGINT)
         out, err = job.communicate(timeout=120)
     finally:
-        stop_group(job)
+        stop_torchrun(job)
     assert 'interrupted: summary of the' in out and 'KeyboardInterrupt' not in err
     assert 'Traceback' not in out and not list(tmp_path.glob('.*.part'))    # no part left
     for rank_file in tmp_path.glob('.r.json.rank*'):   # rank 1's runs, for --resume to read (and remove)
