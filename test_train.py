@@ -750,6 +750,30 @@ def test_a_summary_says_when_its_runs_are_too_few_for_an_interval():
     assert 'job: 1 run in 2.0 s of wall time after the warm-up, 1800 runs an hour' in lines
 
 
+def test_run_log_summary_recomputes_from_its_own_rows():
+    """run_log.txt, the unedited output of the mission's job, is whole and agrees with itself: every
+    run's table has all its epochs, and the summary's accuracy and time figures are those of the
+    runs' last rows (printed to 2 decimals, from rows of 4: within 0.005 + 0.00005)."""
+    log = (SCRIPT.parent / 'run_log.txt').read_text()
+    epochs = int(re.search(r'epochs=(\d+)', log)[1])
+    tables = re.findall(r'^run (\d+)/(\d+) .*\n.*\n((?: +\d+ .*\n)+)', log, re.M)
+    assert [int(run) for run, _, _ in tables] == list(range(1, int(tables[0][1]) + 1))
+    assert all(len(rows.splitlines()) == epochs for _, _, rows in tables)
+    acc, time_s = (np.array([float(rows.splitlines()[-1].split()[column]) for _, _, rows in tables])
+                   for column in (7, 8))
+    acc, n = 100 * acc, len(acc)
+    half = T.t_quantile(0.975, n - 1) * acc.std(ddof=1) / math.sqrt(n)
+    summary = log[log.index(f'runs: {n} finished\n'):].splitlines()
+
+    def figures(start):  # the decimal numbers of the summary's line that starts so
+        return [float(x) for x in re.findall(r'\d+\.\d+', next(l for l in summary if l.startswith(start)))]
+    assert figures('accuracy') == pytest.approx([acc.mean(), acc.std(ddof=1)], abs=0.00505)
+    assert figures('95%') == pytest.approx([acc.mean() - half, acc.mean() + half], abs=0.00505)
+    assert figures('min / median') == pytest.approx([acc.min(), np.median(acc), acc.max()], abs=0.00505)
+    assert f'runs >= 94%: {(acc >= 94).sum()} of {n}' in summary[3]
+    assert figures('time per run') == pytest.approx([time_s.mean(), np.median(time_s), time_s.max()], abs=0.00505)
+
+
 def test_hyperparameters_are_printed_in_lines_a_terminal_shows_whole():
     hyp = {**T.HYP, **T.TINY}
     header = T.header_lines(hyp, dict(train_images=[0] * 3000, test_images=[0], provenance='x', digest='d'),
