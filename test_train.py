@@ -27,7 +27,6 @@ import tempfile
 import threading
 import time
 import types
-import warnings
 from functools import partial
 from pathlib import Path
 
@@ -40,12 +39,6 @@ import train_cifar10 as T
 
 SCRIPT = Path(__file__).resolve().parent / 'train_cifar10.py'
 
-# The tests that compare floating-point results carry this mark. .ci/run repeats them under another
-# CPU's kernels (ATEN_CPU_CAPABILITY=default ONEDNN_MAX_CPU_ISA=SSE41: no SIMD beyond SSE4.1), so
-# that no tolerance is fitted to the rounding of one machine's kernels. The project has no pytest
-# configuration file to register the mark in, hence the filter.
-warnings.filterwarnings('ignore', message=r'Unknown pytest\.mark\.numeric', category=pytest.PytestUnknownMarkWarning)
-numeric = pytest.mark.numeric
 torch.set_num_threads(2)
 
 # All that the suite writes, that of its subprocesses included (torchrun's torchelastic_* folders,
@@ -109,10 +102,10 @@ def small_model(hyp_overrides=None, whitening=None):
     return T.ResNet9(torch.randn(27, 3, 3, 3) if whitening is None else whitening, hyp), hyp
 
 
-def small_networks(hyp_overrides=None, compiled=False, channels_last=False, dtype=torch.float32):
+def small_networks(hyp_overrides=None, compiled=False, dtype=torch.float32):
     """Networks on the CPU, narrow, initialised from seed 0 with random whitening filters."""
     hyp = {**T.HYP, 'channels': (8, 8, 16, 16), **(hyp_overrides or {})}
-    networks = T.Networks(hyp, torch.device('cpu'), dtype, compiled, channels_last)
+    networks = T.Networks(hyp, torch.device('cpu'), dtype, compiled)
     networks.reinitialise(torch.randn(27, 3, 3, 3, generator=torch.Generator().manual_seed(1)), seed=0)
     return networks, hyp
 
@@ -139,7 +132,6 @@ def patch_moment_numpy(images):
     return patches.T @ patches / (len(patches) - 1)
 
 
-@numeric
 def test_whitened_patches_have_identity_second_moment():
     images = correlated_images() + 0.5                            # a mean far from 0: centring would matter
     filters = T.whitening_filters(images, eps=1e-9)
@@ -147,7 +139,6 @@ def test_whitened_patches_have_identity_second_moment():
     np.testing.assert_allclose(whitened @ whitened.T / (whitened.shape[1] - 1), np.eye(27), atol=2e-3)
 
 
-@numeric
 def test_whitening_filters_follow_the_eigenvalues_of_the_uncentred_moment():
     images = correlated_images(seed=1) + 0.3
     eps = 1e-2
@@ -179,7 +170,6 @@ class NoFloat64Device(torch.Tensor):
         return out
 
 
-@numeric
 def test_whitening_runs_on_a_device_without_float64():
     images = correlated_images(seed=2) + 0.2
     with pytest.raises(TypeError, match='float64'):               # the simulation refuses float64
@@ -309,7 +299,6 @@ class OpLog(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@numeric
 @pytest.mark.parametrize('layout', [torch.contiguous_format, torch.channels_last])
 def test_ghost_batch_norm_equals_batch_norm_of_each_split_by_hand_without_copies(layout):
     torch.manual_seed(0)
@@ -336,7 +325,6 @@ def test_ghost_batch_norm_equals_batch_norm_of_each_split_by_hand_without_copies
     assert not bn.weight.requires_grad and bn.bias.requires_grad and (bn.weight == 1).all()
 
 
-@numeric
 def test_ghost_batch_norm_gradient_equals_batch_norm_of_each_split():
     x = torch.randn(64, 3, 4, 4, dtype=torch.float64, requires_grad=True)
     bn = T.GhostBatchNorm(3, split_size=32).double()
@@ -348,6 +336,38 @@ def test_ghost_batch_norm_gradient_equals_batch_norm_of_each_split():
         y2[k::2] = F.batch_norm(x2[k::2], None, None, training=True, bias=bn.bias.detach())
     (y2 * upstream).sum().backward()
     torch.testing.assert_close(x.grad, x2.grad)
+
+
+class DeviceCalls(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the aten operations that run a kernel: not views, nor allocations of empty tensors."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view and func.overloadpacket is not torch.ops.aten.empty:
+            self.calls.append(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize('dtype', [torch.float32, torch.float16])
+def test_an_eager_ghost_batch_norm_is_one_batch_norm_call_each_way_as_in_pages_code(dtype):
+    """Eager in NCHW (eager's layout), as in Page's code: forward, his weight and bias repeated over
+    the splits and one batch_norm over the splits as channels; backward, its backward and the sum of
+    the bias's gradient over the splits. Page keeps running statistics per split (averaged when he
+    evaluates); ours are per channel: three more calls (zeros, mean, lerp) on 2 x 16 x 64 numbers."""
+    bn = T.GhostBatchNorm(64, split_size=32).to(torch.float32)
+    x = torch.randn(512, 64, 8, 8, dtype=dtype, requires_grad=True)
+    with DeviceCalls() as forward:
+        y = bn(x)
+    upstream = torch.ones_like(y)
+    with DeviceCalls() as backward:
+        y.backward(upstream)
+    assert sorted(forward.calls) == ['aten._foreach_lerp_', 'aten.mean', 'aten.native_batch_norm',
+                                     'aten.repeat', 'aten.repeat', 'aten.zeros']
+    assert sorted(backward.calls) == ['aten.native_batch_norm_backward', 'aten.sum']
+    assert y.dtype == x.grad.dtype == dtype and bn.running_mean.dtype == torch.float32
 
 
 def test_conversion_keeps_batch_norm_in_fp32_and_the_rest_in_half():
@@ -363,7 +383,6 @@ def test_conversion_keeps_batch_norm_in_fp32_and_the_rest_in_half():
     assert out.dtype == torch.float16 and out.shape == (64, 10)
 
 
-@numeric
 def test_whitened_prep_is_the_whitening_conv_then_the_1x1_conv_forward_and_backward():
     """The folded 3x3 conv equals the fixed whitening conv followed by the 1x1 prep conv, in
     float64 to 1e-12, and so does the prep weights' gradient (the data gets none)."""
@@ -380,7 +399,6 @@ def test_whitened_prep_is_the_whitening_conv_then_the_1x1_conv_forward_and_backw
     assert [name for name, _ in prep.named_parameters()] == ['weight']   # the whitening is a buffer
 
 
-@numeric
 def test_whitened_prep_keeps_the_1x1_gradient_accurate_in_half_precision():
     """Folded, the 1x1 weights' gradient is the filters' gradient projected on the whitening filters,
     whose small-eigenvalue directions cancel most of it: rounded to bf16 first, it would lose up to
@@ -397,7 +415,6 @@ def test_whitened_prep_keeps_the_1x1_gradient_accurate_in_half_precision():
     assert error.max() < 1e-2
 
 
-@numeric
 def test_flip_tta_gives_an_image_and_its_mirror_the_same_logits():
     model, _ = small_model()
     model(torch.randn(64, 3, 32, 32))                             # move the BN statistics off (0, 1)
@@ -409,7 +426,6 @@ def test_flip_tta_gives_an_image_and_its_mirror_the_same_logits():
         assert not torch.equal(model(x), model(x.flip(3)))        # the network itself is not symmetric
 
 
-@numeric
 def test_network_shapes_and_logit_scale():
     model, hyp = small_model()
     model.eval()
@@ -478,7 +494,6 @@ def test_achieved_tflops_and_mfu_by_hand():
     assert 'model-FLOP utilisation 40.0 %' in '\n'.join(T.summary_lines(s))
 
 
-@numeric
 def test_reinitialised_networks_equal_a_newly_built_network():
     networks, hyp = small_networks({'batch_size': 64})
     T.train_epoch(networks, torch.randn(128, 3, 32, 32), torch.randint(0, 10, (128,)), 1, 2, hyp)
@@ -494,7 +509,6 @@ def test_reinitialised_networks_equal_a_newly_built_network():
 # ---------------------------------------------------------------------------------------------
 # Training pieces
 # ---------------------------------------------------------------------------------------------
-@numeric
 def test_one_ema_step_equals_the_formula():
     model, _ = small_model()
     ema, _ = small_model()
@@ -586,7 +600,7 @@ def test_warm_up_makes_every_tensor_shape_of_a_run(dataset):
     batches) has its shape made in the warm-up too."""
     data = T.load_cifar10(T.ensure_cifar10(dataset))
     hyp = {**T.HYP, **T.TINY, 'epochs': 2, 'batch_size': 128, 'eval_batch_size': 64}   # 200 test images: 64 x 3 + 8
-    networks = T.Networks(hyp, torch.device('cpu'), torch.float32, compiled=False, channels_last=False)
+    networks = T.Networks(hyp, torch.device('cpu'), torch.float32, compiled=False)
     with ShapeLog() as warm:
         T.warm_up(data, networks, hyp)
     with ShapeLog() as run:
@@ -606,7 +620,6 @@ def test_optimiser_groups_lr_and_weight_decay():
     assert biases['lr_scale'] == pytest.approx(64 / 512) and biases['weight_decay'] == pytest.approx(0.004)
 
 
-@numeric
 def test_optimiser_is_pages_nesterov_update_over_the_real_schedule():
     """Page's nesterov_update, written out in numpy float64: dw = -lr_t (g + wd w), v = m v + dw,
     w = w + dw + m v, with lr_t the schedule at step t / 97 of 10 epochs, times 1/512 for weights
@@ -638,7 +651,6 @@ def test_optimiser_is_pages_nesterov_update_over_the_real_schedule():
             assert np.abs(hand[name][0] - start[name]).min() > 1e-3    # every value moved
 
 
-@numeric
 def test_bf16_weight_decay_and_ema_move_as_the_fp32_formula_says():
     """In pure bf16 (8-bit mantissa) a weight-decay step of 5e-4 x w is below half a unit in the last
     place and rounds away, and so does the EMA's 5 % step: both must go through fp32."""
@@ -1075,13 +1087,16 @@ def test_device_names_on_a_machine_with_two_gpus(monkeypatch):
 @pytest.mark.parametrize('device', ['cpu', 'cuda', 'mps'])
 @pytest.mark.parametrize('tiny', [False, True])
 @pytest.mark.parametrize('option', [None, True, False])
-def test_speed_settings_for_each_device_size_and_option(device, tiny, option):
+def test_compilation_and_layout_for_each_device_size_and_option(device, tiny, option):
     """Compile by default on cuda and cpu, never for --tiny (compiling takes longer than all of it)
-    nor on mps (experimental); --compile / --no-compile win. channels_last everywhere but mps."""
+    nor on mps (experimental); --compile / --no-compile win. channels_last compiled, but on mps:
+    eager steps are NCHW, whose ghost batch norm is one batch_norm call."""
     args = T.parse_args(['--tiny'] * tiny + {None: [], True: ['--compile'], False: ['--no-compile']}[option])
-    compile, channels_last = T.speed_settings(args, torch.device(device))
+    compile = T.compiles(args, torch.device(device))
     assert compile == (option if option is not None else device in ('cuda', 'cpu') and not tiny)
-    assert channels_last == (device != 'mps')
+    layout = T.Networks({**T.HYP, **T.TINY}, torch.device('cpu'), torch.float32, compile).memory_format
+    if device != 'mps':                                          # an mps device cannot be built here
+        assert layout == (torch.channels_last if compile else torch.contiguous_format)
 
 
 @pytest.fixture
@@ -1151,7 +1166,7 @@ def test_a_dtype_the_device_cannot_run_is_refused(monkeypatch):
         raise RuntimeError('"slow_conv2d_cpu" not implemented for \'Half\'')
     monkeypatch.setattr(T.F, 'conv2d', unsupported)
     with pytest.raises(T.UserError, match='--dtype fp16 does not run on cpu'):
-        T.pick_dtype('fp16', torch.device('cpu'), True)
+        T.pick_dtype('fp16', torch.device('cpu'))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1764,7 +1779,7 @@ def test_every_setting_that_changes_a_runs_numbers_is_part_of_the_job(finished_j
     assert T.main([*options, '--runs', '3', '--resume', str(path)]) == 1
     assert re.search(rf'-> CPU \([^,]+, {other}\b', capsys.readouterr().err)
     job = json.loads(text)
-    assert {'compile', 'channels_last', 'fp32_math'} <= set(job) and 'kernels' in job['device']
+    assert {'compile', 'fp32_math'} <= set(job) and 'kernels' in job['device']
     assert all(run['compiled'] is False for run in job['runs'])
     assert path.read_bytes() == text
 
@@ -1912,7 +1927,7 @@ print('cell 2 status', status)
 
 
 # ---------------------------------------------------------------------------------------------
-# Speed: compilation and channels_last change nothing but the speed
+# Speed: compilation (in channels_last) changes nothing but the speed
 # ---------------------------------------------------------------------------------------------
 COMPILE_WORKER = """
 import os, sys, torch
@@ -1924,8 +1939,8 @@ data = T.load_cifar10(T.ensure_cifar10({data!r}))
 data = {{k: v[:64] if k.startswith('train') else v for k, v in data.items()}}   # 1 step of --tiny, see below
 hyp = {{**T.HYP, **T.TINY, 'epochs': 1}}
 cpu = torch.device('cpu')
-for name, compile, channels_last in [('eager_nchw', False, False), ('eager_cl', False, True), ('compiled', True, True)]:
-    networks, compiled = T.compiled_warm_up(data, hyp, cpu, torch.float32, compile, channels_last, print)
+for name, compile in [('eager_nchw', False), ('compiled', True)]:
+    networks, compiled = T.compiled_warm_up(data, hyp, cpu, torch.float32, compile, print)
     assert compiled == compile
     rows = T.train_run(data, networks, hyp, 0, lambda row: None)
     torch.save(dict(rows=rows, net=networks.network.state_dict(), ema=networks.ema.state_dict()),
@@ -1944,7 +1959,7 @@ torch.set_num_threads(1)                          # three workers share the two 
 dtype, cpu = getattr(torch, {dtype!r}), torch.device('cpu')
 data = T.load_cifar10(T.ensure_cifar10({data!r}))
 hyp = {{**T.HYP, **T.TINY}}
-networks = T.Networks(hyp, cpu, dtype, compiled=True, channels_last=True)
+networks = T.Networks(hyp, cpu, dtype, compiled=True)
 networks.reinitialise(T.whitening_filters(T.normalise(data['train_images'], cpu, torch.float32), 1e-2), seed=0)
 x = T.normalise(data['train_images'][:64], cpu, dtype).contiguous(memory_format=torch.channels_last)
 y = torch.from_numpy(data['train_labels'][:64])
@@ -2011,11 +2026,10 @@ def compiled_runs(compile_workers):
     return results
 
 
-@numeric
 def test_compiled_and_channels_last_training_equals_eager_nchw_and_never_recompiles(compiled_runs):
     """The first steps of --tiny (loss, weights, batch-norm statistics, EMA, evaluation) give the same
-    numbers compiled by inductor, in channels_last, and eager in NCHW (whose ghost batch norm is the
-    fused one), to fp32 tolerance; after the compilation pass and the warm-up, runs recompile
+    numbers compiled by inductor, in channels_last, and eager in NCHW (whose ghost batch norm is one
+    batch_norm call), to fp32 tolerance; after the compilation pass and the warm-up, runs recompile
     nothing, as torch's recompile log shows. One step, not more: the gradients of one step agree to
     a few 1e-6 in every layout and path, but after a second step (at its learning rate of 0.325)
     the weights of eager NCHW and channels_last part by up to 4e-3 where a 1e-7 change of the
@@ -2024,20 +2038,18 @@ def test_compiled_and_channels_last_training_equals_eager_nchw_and_never_recompi
     folder, stderr = compiled_runs['float32']
     assert 'Recompiling' not in stderr
     reference = torch.load(folder / 'eager_nchw.pt')
-    for name in ('eager_cl', 'compiled'):
-        other = torch.load(folder / f'{name}.pt')
-        for key in ('train_loss', 'valid_loss'):
-            assert other['rows'][0][key] == pytest.approx(reference['rows'][0][key], rel=1e-4)
-        for key in ('train_acc', 'valid_acc'):                    # a near-tie may flip one image
-            assert other['rows'][0][key] == pytest.approx(reference['rows'][0][key], abs=0.01)
-        for model in ('net', 'ema'):                              # weights and batch-norm statistics
-            for k, v in reference[model].items():
-                torch.testing.assert_close(other[model][k], v, rtol=1e-4, atol=1e-5 * float(v.abs().max()) + 1e-7)
+    other = torch.load(folder / 'compiled.pt')
+    for key in ('train_loss', 'valid_loss'):
+        assert other['rows'][0][key] == pytest.approx(reference['rows'][0][key], rel=1e-4)
+    for key in ('train_acc', 'valid_acc'):                        # a near-tie may flip one image
+        assert other['rows'][0][key] == pytest.approx(reference['rows'][0][key], abs=0.01)
+    for model in ('net', 'ema'):                                  # weights and batch-norm statistics
+        for k, v in reference[model].items():
+            torch.testing.assert_close(other[model][k], v, rtol=1e-4, atol=1e-5 * float(v.abs().max()) + 1e-7)
 
 
 
 
-@numeric
 @pytest.mark.parametrize('dtype', ['float16', 'bfloat16'])
 def test_the_gpu_default_compiled_half_precision_trains_as_eager(compiled_runs, dtype):
     """A GPU trains in fp16, compiled, by default: the same path here, narrow, on the CPU. The
@@ -2088,7 +2100,6 @@ def compiles_wrongly(factor):
     return compile
 
 
-@numeric
 @pytest.mark.parametrize('factor, what', [(math.nan, "prep.0.weight's gradient is not finite"),
                                           (0.0, "prep.0.weight's gradient differs from eager by 1 of its size"),
                                           (2.0, "prep.0.weight's gradient differs from eager by 1 of its size")])
@@ -2102,7 +2113,6 @@ def test_a_compiled_step_that_disagrees_with_eager_trains_eager_in_one_line(data
     assert 'runs: 1 finished' in out and 'torch.compile:' not in out
 
 
-@numeric
 def test_the_check_passes_a_correct_compiled_step_and_names_a_wrong_loss(monkeypatch):
     """With the eager function in place of the compiled one, nothing disagrees; a loss 1 % off does."""
     networks, hyp = small_networks({'batch_size': 64})
@@ -2116,7 +2126,7 @@ def test_every_gradient_has_its_weights_strides_in_channels_last():
     """DistributedDataParallel copies a gradient whose strides differ from its weight's (and warns
     "Grad strides do not match bucket view strides"): the prep layer's 1x1 weights, a 4-d tensor
     of 1x1 kernels, had them."""
-    networks, hyp = small_networks(channels_last=True)
+    networks, hyp = small_networks(compiled=True)                 # in channels_last; called eager below
     x = torch.randn(64, 3, 32, 32).contiguous(memory_format=torch.channels_last)
     T.summed_loss(networks.network, x, torch.arange(64) % 10, 0.2)[0].backward()
     assert all(p.grad.stride() == p.stride() for p in networks.network.parameters() if p.requires_grad)
@@ -2251,7 +2261,7 @@ def short_float64_run(data):
     copies the model. The EMA's state and the rows."""
     short = {k: v[:128] if k.startswith('train') else v for k, v in data.items()}
     hyp = {**T.HYP, **T.TINY, 'epochs': 1, 'lr_peak': 1.0, 'lr_floor': 1.0, 'ema_every': 1, 'ema_momentum': 0.0}
-    networks = T.Networks(hyp, torch.device('cpu'), torch.float64, compiled=False, channels_last=True)
+    networks = T.Networks(hyp, torch.device('cpu'), torch.float64, compiled=False)
     rows = T.train_run(short, networks, hyp, 0, lambda row: None)
     return networks.ema.state_dict(), rows
 
@@ -2264,7 +2274,7 @@ cpu, out = torch.device('cpu'), {out!r}
 T.join_process_group(cpu)                         # the ranks split each batch
 data = T.load_cifar10(T.ensure_cifar10({data!r}))
 hyp = {{**T.HYP, **T.TINY, 'epochs': 2}}            # 30 steps of --tiny: the ranks must still agree bit for bit
-networks = T.Networks(hyp, cpu, torch.float32, compiled=False, channels_last=True)
+networks = T.Networks(hyp, cpu, torch.float32, compiled=False)
 T.train_run(data, networks, hyp, 0, lambda row: None)
 torch.save(networks.ema.state_dict(), f'{{out}}/long_{{rank}}.pt')
 ema, rows = short_float64_run(data)
@@ -2281,7 +2291,7 @@ for fault in ('raises', 'nan'):                   # rank 0 "compiles" at once; r
         return failing
     torch.compile = compile
     hyp = {{**T.HYP, **T.TINY, 'epochs': 1}}
-    networks, compiled = T.compiled_warm_up(data, hyp, cpu, torch.float32, True, True, print)
+    networks, compiled = T.compiled_warm_up(data, hyp, cpu, torch.float32, True, print)
     T.train_run(data, networks, hyp, 0, lambda row: None)
     print(f'{{fault}}: rank {{rank}} compiled={{compiled}}', flush=True)
     torch.save(networks.ema.state_dict(), f'{{out}}/{{fault}}_{{rank}}.pt')
@@ -2307,7 +2317,6 @@ def two_ranks(dataset, tmp_path_factory):
     return out, result
 
 
-@numeric
 def test_two_ranks_train_as_one_process_and_stay_identical(dataset, two_ranks):
     """2 ranks at global batch 64 train the model one process trains at batch 64 with the same seed.
 
@@ -2620,10 +2629,10 @@ def page_step(page, device, dtype, batch_size):
                                   (*tb.default_train_steps, tb.update_ema(momentum=0.99, update_freq=5)))
 
 
-def our_steps(device, dtype, compiled, channels_last, hyp):
+def our_steps(device, dtype, compiled, hyp):
     """train_epoch over the given batches, on networks built as main builds them, with the given
     speed settings."""
-    networks = T.Networks(hyp, device, dtype, compiled, channels_last)
+    networks = T.Networks(hyp, device, dtype, compiled)
     networks.reinitialise(torch.randn(27, 3, 3, 3), seed=0)
     layout = networks.memory_format
     return lambda x, y, steps: T.train_epoch(networks, x.contiguous(memory_format=layout), y, 2, steps, hyp)
@@ -2646,10 +2655,8 @@ def test_benchmark_full_width_training_steps():
     dtype = torch.float16 if device.type == 'cuda' else torch.float32
     n_steps, batch = int(os.environ.get('BENCHMARK_STEPS', 50)), 512
     hyp = dict(T.HYP)
-    steps = {'eager, NCHW': our_steps(device, dtype, False, False, hyp),
-             'eager, channels_last': our_steps(device, dtype, False, True, hyp),
-             'compiled, NCHW': our_steps(device, dtype, True, False, hyp),
-             'compiled, channels_last (the default)': our_steps(device, dtype, True, True, hyp)}
+    steps = {'eager (NCHW)': our_steps(device, dtype, False, hyp),
+             'compiled (channels_last), the default': our_steps(device, dtype, True, hyp)}
     if os.environ.get('PAGE_CODE'):
         steps["Page's cifar10-fast"] = page_steps(load_page_code(Path(os.environ['PAGE_CODE'])), device, dtype, batch)
     x = torch.randn(n_steps * batch, 3, 32, 32, device=device, dtype=dtype)     # distinct batches

@@ -10,10 +10,10 @@
 The final recipe of David Page's "How to train your ResNet" (Myrtle.ai, 2018-19), 94.1% mean test
 accuracy in 10 epochs (26 s on one V100): a ResNet9 whose first layer is a fixed whitening of 3x3
 patches, ghost batch norm, CELU, half precision with batch norm in fp32, label smoothing, Nesterov
-SGD on a piecewise-linear schedule, an EMA of the weights, flip test-time augmentation. An H100
-runs it in 6.05 s after a 52 s compile (torch caches it for later processes); eager (--no-compile,
-MPS, a failed compile) in 12.6 s. README.md: the evidence. Read top to bottom: the hyperparameters,
-the recipe in a run's order, below a banner the harness (its rank helpers: no-ops in one process).
+SGD on a piecewise-linear schedule, an EMA of the weights, flip test-time augmentation. An H100 ran
+it in 6.05 s after a 52 s compile, which torch caches for later processes (README.md: the evidence,
+and eager's speed). Read top to bottom: the hyperparameters, the recipe in a run's order, below a
+banner the harness (its rank helpers: no-ops in one process).
 """
 import argparse, bisect, codecs, contextlib, copy, hashlib, http.client, inspect, io
 import json, math, os, pickle, platform, re, shutil, signal, sys, tarfile, tempfile, textwrap
@@ -201,8 +201,10 @@ class WhitenedPrep(nn.Module):
 
 class GhostBatchNorm(nn.BatchNorm2d):
     """Batch norm with statistics over splits of split_size images (noisier statistics regularise),
-    scale frozen at 1. Split k of s holds images k, k+s, ... as in Page's code: a view, no copy.
-    Statistics in fp32; the running ones move by the splits' average."""
+    scale frozen at 1; split k of s holds images k, k+s, ... as in Page's code. Statistics in fp32;
+    the running ones move by the splits' average. Eager NCHW: the splits are one batch_norm's
+    channels, a view, as in Page's code (at momentum 1 it writes their statistics to stats);
+    compiled: a var_mean over a view."""
 
     def __init__(self, channels, split_size):
         super().__init__(channels)
@@ -212,18 +214,22 @@ class GhostBatchNorm(nn.BatchNorm2d):
     def forward(self, x):
         if not self.training:
             return super().forward(x)
-        n, c, h, w = x.shape
-        splits = n // self.split_size
-        xs = x.view(-1, splits, c, h, w).to(at_least_fp32(x.dtype))
-        var, mean = torch.var_mean(xs, dim=(0, 3, 4), correction=0, keepdim=True)
-        scale = torch.rsqrt(var + self.eps) * self.weight.view(1, 1, c, 1, 1)
-        y = (xs - mean) * scale + self.bias.view(1, 1, c, 1, 1)
+        (n, c, h, w), splits = x.shape, len(x) // self.split_size
+        if not torch.compiler.is_compiling() and x.is_contiguous():  # channels_last: no such view
+            stats = torch.zeros(2, splits * c, device=x.device, dtype=self.running_mean.dtype)
+            y = F.batch_norm(x.view(-1, splits * c, h, w), *stats, self.weight.repeat(splits),
+                             self.bias.repeat(splits), True, 1.0, self.eps)
+            mean, var = stats.view(2, splits, c).mean(1)
+        else:  # inductor fuses these with their neighbours
+            xs = x.view(-1, splits, c, h, w).to(at_least_fp32(x.dtype))
+            var, mean = torch.var_mean(xs, dim=(0, 3, 4), correction=0, keepdim=True)
+            scale = torch.rsqrt(var + self.eps) * self.weight.view(1, 1, c, 1, 1)
+            y = ((xs - mean) * scale + self.bias.view(1, 1, c, 1, 1)).to(x.dtype)
+            bessel = self.split_size * h * w / (self.split_size * h * w - 1)  # unbiased variance
+            mean, var = mean.view(splits, c).mean(0), var.view(splits, c).mean(0) * bessel
         with torch.no_grad():
-            count = self.split_size * h * w  # values behind each statistic: unbiased variance below
-            unbiased = var.view(splits, c).mean(0) * (count / (count - 1))
-            self.running_mean.lerp_(mean.view(splits, c).mean(0), self.momentum)
-            self.running_var.lerp_(unbiased, self.momentum)
-        return y.to(x.dtype).view(n, c, h, w)
+            torch._foreach_lerp_([self.running_mean, self.running_var], [mean, var], self.momentum)
+        return y.view(n, c, h, w)
 
 
 def conv_bn(c_in, c_out, hyp, pool=False):
@@ -374,13 +380,13 @@ def summed_loss(model, images, labels, label_smoothing):
 
 class Networks:
     """Built once for every run: the network trained, its fp32 EMA copy that is evaluated, the
-    optimiser, the loss and flip-TTA functions (compiled or not, at fixed shapes: nothing
-    recompiles). reinitialise() gives each run the weights a newly built network would have."""
+    optimiser, the loss and flip-TTA functions (compiled, in channels_last but on MPS, or eager
+    in NCHW; at fixed shapes: nothing recompiles). reinitialise() draws a run's new weights."""
 
-    def __init__(self, hyp, device, dtype, compiled, channels_last):
-        self.hyp, self.device, self.dtype = hyp, device, dtype
-        layout = torch.channels_last if channels_last else torch.contiguous_format
-        self.memory_format = layout
+    def __init__(self, hyp, device, dtype, compiled):
+        self.device, self.dtype = device, dtype
+        self.memory_format = layout = (torch.channels_last if compiled and device.type != 'mps' else
+                                       torch.contiguous_format)
         # on the CPU, drawing each run's weights; each run puts its own whitening in place of zeros
         self.initial = ResNet9(torch.zeros(27, 3, 3, 3), hyp)
         self.network = to_training_precision(copy.deepcopy(self.initial), dtype)
@@ -654,28 +660,28 @@ def pick_device(name, local_rank=None):
     return torch.device(kind, int(index)) if index else torch.device(kind)
 
 
-def pick_dtype(name, device, channels_last):
-    """The training dtype, once a short probe run has succeeded with it on this device and layout:
-    a GPU without bf16 fails it; one that emulates bf16 runs slowly but right."""
+def pick_dtype(name, device):
+    """The training dtype, once a short probe run has succeeded with it on this device: a GPU
+    without bf16 fails it; one that emulates bf16 runs slowly but right."""
     if name == 'auto':
         name = 'fp16' if device.type == 'cuda' else 'fp32'
     dtype = dict(fp16=torch.float16, bf16=torch.bfloat16, fp32=torch.float32)[name]
     try:
-        probe_run(device, dtype, channels_last)
+        probe_run(device, dtype)
     except (RuntimeError, TypeError, NotImplementedError) as e:
         raise UserError(f'--dtype {name} does not run on {device.type} ({str(e).splitlines()[0]}); '
                         'choose another --dtype or --device') from None
     return dtype
 
 
-def probe_run(device, dtype, channels_last):
+def probe_run(device, dtype):
     """Two steps of a narrow network on random images: what cannot train fails here, in seconds."""
     images = np.random.default_rng(0).integers(0, 256, (128, 3, 32, 32), dtype=np.uint8)
     labels = np.arange(128) % NUM_CLASSES
     hyp = {**HYP, 'channels': (8, 8, 8, 8), 'epochs': 1, 'batch_size': 64, 'eval_batch_size': 64,
            'whitening_images': 128, 'cutout': 8}
     data = dict(train_images=images, train_labels=labels, test_images=images, test_labels=labels)
-    train_run(data, Networks(hyp, device, dtype, False, channels_last), hyp, 0, lambda row: None)
+    train_run(data, Networks(hyp, device, dtype, False), hyp, 0, lambda row: None)
 
 
 def evaluates_in_tf32(device, dtype):
@@ -706,18 +712,17 @@ def in_tf32(function):
     return call
 
 
-def speed_settings(args, device):
-    """(compiled, channels_last) for this device: compiled on CUDA and CPUs (faster, README: Speed)
-    but not for --tiny (a minute of compiling) nor MPS (experimental); channels_last but on MPS."""
-    compiled = device.type in ('cuda', 'cpu') and not args.tiny
-    return (compiled if args.compile is None else args.compile), device.type != 'mps'
+def compiles(args, device):
+    """--compile or --no-compile, else compiled on CUDA and CPUs (faster, README: Speed) but not for
+    --tiny (a minute of compiling) nor MPS (experimental)."""
+    return args.compile if args.compile is not None else device.type != 'mps' and not args.tiny
 
 
 # ==== Compilation: compiled before the warm-up, checked against eager, eager if it fails =======
-def compiled_warm_up(data, hyp, device, dtype, compiled, channels_last, log):
+def compiled_warm_up(data, hyp, device, dtype, compiled, log):
     """Build, compile if asked and warm up the networks; returns them and whether compiled. Ranks
     that split batches all train eager if compilation fails on one (else collectives would hang)."""
-    networks = Networks(hyp, device, dtype, compiled, channels_last)
+    networks = Networks(hyp, device, dtype, compiled)
     if compiled:  # the training step at a run's shapes and first weights, then the flip-TTA pass
         start, failure, batch = time.perf_counter(), None, hyp['batch_size'] // rank_and_world()[1]
         images = normalise(data['train_images'][:hyp['whitening_images']], device, torch.float32)
@@ -737,7 +742,7 @@ def compiled_warm_up(data, hyp, device, dtype, compiled, channels_last, log):
             if failure or rank == 0:  # every rank that failed says why, rank 0 for the others
                 failure = failure or 'torch.compile failed on another rank: every rank trains eager'
                 print(f'rank {rank}: {failure}' if world > 1 else failure, flush=True)
-            networks, compiled = Networks(hyp, device, dtype, False, channels_last), False
+            networks, compiled = Networks(hyp, device, dtype, False), False
         else:
             log(f'torch.compile: {time.perf_counter() - start:.1f} s, and its training step '
                 "checked against eager, before the warm-up, outside every run's time")
@@ -1142,7 +1147,7 @@ JOB_FORMAT = 'train_cifar10.py job, format 3'
 # a run's numbers (a CPU's device names its kernels and threads; compile: the one asked for).
 DATA_KEYS = ('data', 'data_digest', 'test_images')
 JOB_KEYS = ('script_sha256', 'torch', 'device', 'ranks', 'dtype', 'fp32_math', 'compile',
-            'channels_last', 'hyperparameters', 'seed', 'train_images', *DATA_KEYS)
+            'hyperparameters', 'seed', 'train_images', *DATA_KEYS)
 
 
 def job_sha256(job):
@@ -1204,18 +1209,15 @@ def hold_job_file(path):
 
 
 def job_differences(a, b, keys=JOB_KEYS):
-    """'name (in a -> in b)' for each setting in which two jobs differ, hyperparameters singly;
-    the data's image counts override --tiny's train_images and test_images."""
+    """'name (in a -> in b)', values whole, for each setting in which two jobs differ (each
+    hyperparameter singly); the data's image counts override --tiny's train_images, test_images."""
     def settings(job):
         hyp = job['hyperparameters'] if 'hyperparameters' in keys else {}
         return {**hyp, **{key: job[key] for key in keys if key != 'hyperparameters'}}
-
-    def short(value):
-        text = 'unset' if value is None else str(value)
-        return text if len(text) <= 40 else text[:37] + '...'
-    a, b = settings(a), settings(b)
-    return [f'{key} ({short(a.get(key))} -> {short(b.get(key))})' for key in {**a, **b}
-            if a.get(key) != b.get(key)]
+    a, b = ({key: 'unset' if value is None else value for key, value in settings(job).items()}
+            for job in (a, b))
+    return [f"{key} ({a.get(key, 'unset')} -> {b.get(key, 'unset')})" for key in {**a, **b}
+            if a.get(key, 'unset') != b.get(key, 'unset')]
 
 
 def resumed_runs(files, context, runs_requested):
@@ -1335,7 +1337,7 @@ def parse_args(argv, defaults=None):
     add('--compare', nargs=2, metavar=('A.json', 'B.json'), help='compare two jobs; trains nothing')
     add('--gpu-price', type=float, metavar='USD_PER_HOUR', help='also report the cost per run')
     add('--compile', action=argparse.BooleanOptionalAction, help='(default: on; off on mps, '
-        '--tiny): 52 s on an H100, cached for later processes; eager runs take 2x longer there')
+        "--tiny): 52 s on an H100, then cached for later processes; eager: README's Speed")
     add('--spread', choices=['batches', 'runs'], default='batches',
         help='torchrun: split each batch over the ranks, or give each rank whole runs')
     add('--peak-tflops', type=float, metavar='TFLOPS', help="the device's peak, for the MFU")
@@ -1429,8 +1431,8 @@ class Job:
         files = [f for f in [path, *rank_files(path)] if os.path.exists(f)] if args.resume else []
         resumed = [(file, read_job(file, '--resume')) for file in files]  # the job file may be gone
         self.device = pick_device(args.device, self.local_rank if self.world > 1 else None)
-        self.compiled, self.channels_last = speed_settings(args, self.device)
-        self.dtype = pick_dtype(args.dtype, self.device, self.channels_last)
+        self.compiled = compiles(args, self.device)
+        self.dtype = pick_dtype(args.dtype, self.device)
         if self.world > 1:
             join_process_group(self.device, not self.spread)  # spread: gloo, for barriers only
         if self.spread:  # torchrun stops every rank (SIGTERM) when one fails: end as Ctrl-C does
@@ -1451,13 +1453,11 @@ class Job:
         self.flops = count_flops(hyp, len(data['train_images']))
         self.peak = peak_tflops(self.device, self.dtype, args.peak_tflops)
         self.context = json_ready(dict(
-            script_sha256=script_hash(), torch=torch.__version__,
-            device=device_description(self.device), ranks=self.batch_ranks, dtype=str(self.dtype),
-            fp32_math=self.fp32_math, compile=self.compiled, channels_last=self.channels_last,
-            hyperparameters=hyp, seed=args.seed, data=data['provenance'],
-            data_digest=data['digest'],
-            train_images=len(data['train_images']), test_images=len(data['test_images']),
-            flops=self.flops, peak_tflops=self.peak))
+            script_sha256=script_hash(), torch=torch.__version__, ranks=self.batch_ranks,
+            device=device_description(self.device), dtype=str(self.dtype), compile=self.compiled,
+            fp32_math=self.fp32_math, hyperparameters=hyp, seed=args.seed, flops=self.flops,
+            data=data['provenance'], data_digest=data['digest'], peak_tflops=self.peak,
+            train_images=len(data['train_images']), test_images=len(data['test_images'])))
         if self.spread:  # the ranks' runs make one job: every rank's settings must be rank 0's
             contexts = [None] * self.world
             dist.all_gather_object(contexts, self.context)
@@ -1493,7 +1493,7 @@ class Job:
             log(f"\n{'compilation, then ' if self.compiled else ''}warm-up: an untimed run of 2 "
                 'steps and 2 evaluation batches takes the one-off costs', flush=True)
             self.networks, self.compiled = compiled_warm_up(
-                self.data, hyp, self.device, self.dtype, self.compiled, self.channels_last, log)
+                self.data, hyp, self.device, self.dtype, self.compiled, log)
         if self.device.type == 'cuda':
             torch.cuda.reset_peak_memory_stats(self.device)  # the runs', not the warm-up's
         self.started = time.perf_counter()
