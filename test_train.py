@@ -325,8 +325,9 @@ def test_ghost_batch_norm_equals_batch_norm_of_each_split_by_hand_without_copies
     assert not bn.weight.requires_grad and bn.bias.requires_grad and (bn.weight == 1).all()
 
 
-def test_ghost_batch_norm_gradient_equals_batch_norm_of_each_split():
-    x = torch.randn(64, 3, 4, 4, dtype=torch.float64, requires_grad=True)
+@pytest.mark.parametrize('layout', [torch.contiguous_format, torch.channels_last])  # eager's and compiled's paths
+def test_ghost_batch_norm_gradient_equals_batch_norm_of_each_split(layout):
+    x = torch.randn(64, 3, 4, 4, dtype=torch.float64).contiguous(memory_format=layout).requires_grad_(True)
     bn = T.GhostBatchNorm(3, split_size=32).double()
     upstream = torch.randn(64, 3, 4, 4, dtype=torch.float64)
     (bn(x) * upstream).sum().backward()
@@ -368,6 +369,33 @@ def test_an_eager_ghost_batch_norm_is_one_batch_norm_call_each_way_as_in_pages_c
                                      'aten.repeat', 'aten.repeat', 'aten.zeros']
     assert sorted(backward.calls) == ['aten.native_batch_norm_backward', 'aten.sum']
     assert y.dtype == x.grad.dtype == dtype and bn.running_mean.dtype == torch.float32
+
+
+@pytest.mark.parametrize('dtype', [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize('layout', [torch.contiguous_format, torch.channels_last])
+def test_ghost_batch_norm_in_half_precision_keeps_fp32_statistics(dtype, layout):
+    """Half input, fp32 batch norm (as to_training_precision leaves it): each path's output and input
+    gradient are the float64 ones rounded to the dtype, up to a unit in its last place (eps x the
+    largest value); the running statistics, fp32, agree with float64's to fp32 rounding."""
+    torch.manual_seed(0)
+    x = (torch.randn(128, 8, 6, 6) * 3 + 1).to(dtype).contiguous(memory_format=layout)
+    upstream = torch.randn(128, 8, 6, 6).to(dtype)
+    results = []
+    for wide in (False, True):
+        bn = T.GhostBatchNorm(8, split_size=32)
+        if wide:
+            bn.double()
+        xi = (x.double() if wide else x).detach().requires_grad_(True)
+        y = bn(xi)
+        y.backward(upstream.to(y.dtype))
+        results.append((y.detach(), xi.grad, bn.running_mean, bn.running_var))
+    eps = torch.finfo(dtype).eps
+    for got, exact in zip(results[0][:2], results[1][:2]):
+        assert got.dtype == dtype
+        torch.testing.assert_close(got.double(), exact, rtol=0, atol=eps * float(exact.abs().max()))
+    for got, exact in zip(results[0][2:], results[1][2:]):
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got.double(), exact, rtol=1e-6, atol=1e-6)
 
 
 def test_conversion_keeps_batch_norm_in_fp32_and_the_rest_in_half():
@@ -1782,6 +1810,15 @@ def test_every_setting_that_changes_a_runs_numbers_is_part_of_the_job(finished_j
     assert {'compile', 'fp32_math'} <= set(job) and 'kernels' in job['device']
     assert all(run['compiled'] is False for run in job['runs'])
     assert path.read_bytes() == text
+
+
+def test_a_refusal_shows_each_differing_value_whole():
+    """A CPU's description under another kernel set runs past 40 characters, and where two
+    machines' differ is its end (the threads): nothing is cut."""
+    cpu = 'CPU (x86_64, DEFAULT, oneDNN up to SSE41 kernels, {} threads)'
+    a, b = dict(device=cpu.format(3), seed=None), dict(device=cpu.format(2), seed=0)
+    assert T.job_differences(a, b, ('device', 'seed')) == [
+        f'device ({cpu.format(3)} -> {cpu.format(2)})', 'seed (unset -> 0)']
 
 
 def test_resume_takes_the_jobs_options_from_its_file(finished_job, tmp_path, monkeypatch, capsys):

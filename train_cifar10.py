@@ -202,9 +202,9 @@ class WhitenedPrep(nn.Module):
 class GhostBatchNorm(nn.BatchNorm2d):
     """Batch norm with statistics over splits of split_size images (noisier statistics regularise),
     scale frozen at 1; split k of s holds images k, k+s, ... as in Page's code. Statistics in fp32;
-    the running ones move by the splits' average. Eager NCHW: the splits are one batch_norm's
-    channels, a view, as in Page's code (at momentum 1 it writes their statistics to stats);
-    compiled: a var_mean over a view."""
+    the running ones move by the splits' average. Eager NCHW, the splits are one batch_norm's
+    channels (a view) as in Page's code; at momentum 1 it writes their statistics to stats (but not
+    MPS's in half precision: pytorch#154887). Else, a var_mean over a view."""
 
     def __init__(self, channels, split_size):
         super().__init__(channels)
@@ -215,7 +215,8 @@ class GhostBatchNorm(nn.BatchNorm2d):
         if not self.training:
             return super().forward(x)
         (n, c, h, w), splits = x.shape, len(x) // self.split_size
-        if not torch.compiler.is_compiling() and x.is_contiguous():  # channels_last: no such view
+        eager = not torch.compiler.is_compiling() and x.is_contiguous()  # channels_last: no view
+        if eager and (x.device.type != 'mps' or x.dtype == self.running_mean.dtype):
             stats = torch.zeros(2, splits * c, device=x.device, dtype=self.running_mean.dtype)
             y = F.batch_norm(x.view(-1, splits * c, h, w), *stats, self.weight.repeat(splits),
                              self.bias.repeat(splits), True, 1.0, self.eps)
@@ -713,8 +714,7 @@ def in_tf32(function):
 
 
 def compiles(args, device):
-    """--compile or --no-compile, else compiled on CUDA and CPUs (faster, README: Speed) but not for
-    --tiny (a minute of compiling) nor MPS (experimental)."""
+    """Compiled but on MPS (experimental) and for --tiny (compiling outlasts it); --compile wins."""
     return args.compile if args.compile is not None else device.type != 'mps' and not args.tiny
 
 
