@@ -288,14 +288,17 @@ def test_augmentation_is_the_same_whatever_the_device_and_its_random_state():
 # Network pieces
 # ---------------------------------------------------------------------------------------------
 class OpLog(torch.utils._python_dispatch.TorchDispatchMode):
-    """Records the name of every aten operation that runs."""
+    """Records the name of every aten operation that runs, and in kernels those that run a kernel
+    on the device: not views, nor allocations of empty tensors."""
 
     def __init__(self):
         super().__init__()
-        self.ops = []
+        self.ops, self.kernels = [], []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops.append(str(func.overloadpacket))
+        if not func.is_view and func.overloadpacket is not torch.ops.aten.empty:
+            self.kernels.append(str(func.overloadpacket))
         return func(*args, **(kwargs or {}))
 
 
@@ -339,19 +342,6 @@ def test_ghost_batch_norm_gradient_equals_batch_norm_of_each_split(layout):
     torch.testing.assert_close(x.grad, x2.grad)
 
 
-class DeviceCalls(torch.utils._python_dispatch.TorchDispatchMode):
-    """Counts the aten operations that run a kernel: not views, nor allocations of empty tensors."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not func.is_view and func.overloadpacket is not torch.ops.aten.empty:
-            self.calls.append(str(func.overloadpacket))
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize('dtype', [torch.float32, torch.float16])
 def test_an_eager_ghost_batch_norm_is_one_batch_norm_call_each_way_as_in_pages_code(dtype):
     """Eager in NCHW (eager's layout), as in Page's code: forward, his weight and bias repeated over
@@ -360,14 +350,14 @@ def test_an_eager_ghost_batch_norm_is_one_batch_norm_call_each_way_as_in_pages_c
     evaluates); ours are per channel: three more calls (zeros, mean, lerp) on 2 x 16 x 64 numbers."""
     bn = T.GhostBatchNorm(64, split_size=32).to(torch.float32)
     x = torch.randn(512, 64, 8, 8, dtype=dtype, requires_grad=True)
-    with DeviceCalls() as forward:
+    with OpLog() as forward:
         y = bn(x)
     upstream = torch.ones_like(y)
-    with DeviceCalls() as backward:
+    with OpLog() as backward:
         y.backward(upstream)
-    assert sorted(forward.calls) == ['aten._foreach_lerp_', 'aten.mean', 'aten.native_batch_norm',
+    assert sorted(forward.kernels) == ['aten._foreach_lerp_', 'aten.mean', 'aten.native_batch_norm',
                                      'aten.repeat', 'aten.repeat', 'aten.zeros']
-    assert sorted(backward.calls) == ['aten.native_batch_norm_backward', 'aten.sum']
+    assert sorted(backward.kernels) == ['aten.native_batch_norm_backward', 'aten.sum']
     assert y.dtype == x.grad.dtype == dtype and bn.running_mean.dtype == torch.float32
 
 

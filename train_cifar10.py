@@ -215,8 +215,8 @@ class GhostBatchNorm(nn.BatchNorm2d):
         if not self.training:
             return super().forward(x)
         (n, c, h, w), splits = x.shape, len(x) // self.split_size
-        eager = not torch.compiler.is_compiling() and x.is_contiguous()  # channels_last: no view
-        if eager and (x.device.type != 'mps' or x.dtype == self.running_mean.dtype):
+        as_channels = not torch.compiler.is_compiling() and x.is_contiguous()  # NCHW, eager
+        if as_channels and (x.device.type != 'mps' or x.dtype == self.running_mean.dtype):
             stats = torch.zeros(2, splits * c, device=x.device, dtype=self.running_mean.dtype)
             y = F.batch_norm(x.view(-1, splits * c, h, w), *stats, self.weight.repeat(splits),
                              self.bias.repeat(splits), True, 1.0, self.eps)
