@@ -822,7 +822,7 @@ def test_help_gives_examples_and_no_empty_defaults(capsys, monkeypatch):
     assert '(default: 512, --tiny 64)' in out and '(default: 0)' in out   # a written default, a default of 0
     assert 'examples:' in out and '--resume a.json' in out and '--compare a.json b.json' in out
     options = out.split('options:')[1].split('examples:')[0]
-    assert len(options.splitlines()) <= 35          # 20 options, a short line each: README's table has the rest
+    assert len(options.splitlines()) <= 35          # 21 options, a short line each: README's table has the rest
     monkeypatch.setattr(T, '__doc__', None)                         # python -OO strips docstrings
     assert T.main(['--help']) == 0 and '--epochs EPOCHS' in capsys.readouterr().out
 
@@ -1257,9 +1257,10 @@ def test_seeds_make_runs_repeatable_and_different(dataset, tmp_path):
     assert five != six and valid_losses('--seed', '6') == [six]
 
 
-def test_a_diverged_run_is_reported_as_failed(dataset, tmp_path, monkeypatch, capsys):
-    monkeypatch.setitem(T.HYP, 'lr_peak', 1e12)
-    status = T.main(['--tiny', '--data-dir', str(dataset), '--epochs', '3', '--json', str(tmp_path / 'r.json')])
+def test_a_diverged_run_is_reported_as_failed(dataset, tmp_path, capsys):
+    """A strange value given by --set is the researcher's experiment: it trains, and says what it did."""
+    status = T.main(['--tiny', '--data-dir', str(dataset), '--epochs', '3', '--set', 'lr_peak=1e12',
+                     '--json', str(tmp_path / 'r.json')])
     out = capsys.readouterr().out
     assert status == 1 and 'run 1 FAILED' in out and 'runs: 0 finished, 1 failed' in out
     assert 'no run finished' in out and 'accuracy (flip-TTA' not in out
@@ -1640,6 +1641,53 @@ def test_resume_reads_back_a_failed_run_as_failed(finished_job, tmp_path, monkey
     out = capsys.readouterr().out
     assert 'run 2 FAILED: the loss became NaN in epoch 1' in out and 'runs: 1 finished, 1 failed' in out
     assert out.count('         nan') == 2                                   # train and valid loss
+
+
+def test_set_changes_any_hyperparameter_and_resume_and_compare_carry_it(finished_job, tmp_path, capsys):
+    """--set label_smoothing=0.1 channels=8,16,32,32, no edit: the header and the job file record
+    them, the saved model has those widths, the losses differ from the default job's (the same
+    options and seeds); --resume keeps the setting (and refuses another), --compare names it."""
+    source, options = finished_job
+    path, model = tmp_path / 'set.json', tmp_path / 'ema.pt'
+    assert T.main([*options, '--set', 'label_smoothing=0.1', 'channels=8,16,32,32', '--json', str(path),
+                   '--save', str(model)]) == 0
+    out = capsys.readouterr().out
+    assert 'label_smoothing=0.1,' in out and 'channels=(8, 16, 32, 32),' in out
+    job = T.read_job(path, '--json')
+    assert job['hyperparameters']['label_smoothing'] == 0.1 and job['hyperparameters']['channels'] == [8, 16, 32, 32]
+    assert job['options']['set'] == ['label_smoothing=0.1', 'channels=8,16,32,32']    # as typed
+    state = torch.load(model)['state_dict']
+    assert state['layer3.0.0.weight'].shape == (32, 32, 3, 3) and state['head.weight'].shape == (10, 32)
+    default = T.read_job(source, '--json')['runs'][0]['rows'][0]
+    assert job['runs'][0]['rows'][0]['train_loss'] != pytest.approx(default['train_loss'], rel=1e-3)
+    assert T.main(['--resume', str(path), '--set', 'label_smoothing=0.2']) == 1
+    assert 'differs from this one in label_smoothing (0.1 -> 0.2)' in capsys.readouterr().err
+    assert T.main(['--resume', str(path), '--runs', '2']) == 0       # the file's options: its --set too
+    assert [run['run'] for run in T.read_job(path, '--json')['runs']] == [1, 2]
+    assert T.main(['--compare', str(source), str(path)]) == 0
+    assert ('B differs from A in: label_smoothing (0.2 -> 0.1), channels ([8, 16, 32, 64] -> [8, 16, 32, 32])'
+            in capsys.readouterr().out)
+
+
+@pytest.mark.parametrize('setting, status, message', [
+    ('lr_peek=2', 2, "error: argument --set: 'lr_peek=2': no such name; HYP has epochs, batch_size, lr_peak, "),
+    ('ema_every=2.5', 2, "error: argument --set: 'ema_every=2.5': ema_every takes a value like 5; --help"),
+    ('channels=8,x,32,64', 2, "error: argument --set: 'channels=8,x,32,64': channels takes a value like (64, "),
+    ('label_smoothing', 2, "error: argument --set: 'label_smoothing': label_smoothing takes a value like 0.2"),
+    ('channels=8,16', 1, "error: --set 'channels=(8, 16)': must be 4 widths > 0\n"),   # what would crash a run
+    ('channels=(8, 0, 32, 64)', 1, "error: --set 'channels=(8, 0, 32, 64)': must be 4 widths > 0\n"),
+    ('bn_split_size=0', 1, "error: --set 'bn_split_size=0': must be positive\n"),
+    ('bn_split_size=24', 1, "error: --batch-size 64: must be a positive multiple of 24 (ghost batch norm's"),
+    ('label_smoothing=1.5', 1, "error: --set 'label_smoothing=1.5': must be 0 to 1\n"),
+    ('pad=32', 1, "error: --set 'pad=32': must be 0 to 31\n"),
+])
+def test_a_set_that_names_nothing_does_not_parse_or_would_crash_is_refused_in_one_line(dataset, monkeypatch, capsys,
+                                                                                     setting, status, message):
+    """As a mistyped option is (status 2), or a value that cannot make a run (status 1), before any work."""
+    monkeypatch.setattr(T, 'probe_run', lambda *args: pytest.fail('work started'))
+    assert T.main(['--tiny', '--data-dir', str(dataset), '--set', 'epochs=1', setting]) == status
+    err = capsys.readouterr().err
+    assert err.startswith(message) and err.count('\n') == 1
 
 
 def job_with(path, accuracies, **changes):

@@ -3,7 +3,7 @@
     python train_cifar10.py --tiny                                # an install check, seconds
     python train_cifar10.py --epochs 10 --runs 50 --json a.json   # the recipe 50 times, a summary
     python train_cifar10.py --resume a.json                       # the same job, resumed
-    python train_cifar10.py --epochs 10 --runs 50 --cutout 8 --json b.json   # a variant
+    python train_cifar10.py --runs 50 --set label_smoothing=0.1 --json b.json    # a variant
     python train_cifar10.py --compare a.json b.json               # is the variant better?
     torchrun --nproc_per_node=8 train_cifar10.py --runs 800 --spread runs --json c.json  # 8 GPUs
 
@@ -34,8 +34,8 @@ except KeyboardInterrupt:
 # The loss is summed over the batch and each step uses lr = schedule(epoch) / batch_size, so the
 # schedule is the learning rate applied to the mean gradient and does not change with the batch
 # size; weight decay is multiplied by batch_size so that the decay per step (lr x wd) does not
-# either. The command line overrides epochs, batch_size and cutout (HYP_OPTIONS), --tiny a few
-# more (TINY; both below the banner); everything else is here.
+# either. --epochs, --batch-size and --cutout set theirs, --tiny a few more (TINY, below the
+# banner), and --set NAME=VALUE any of them: an ablation needs no edit of this file.
 HYP = dict(
     epochs=10,               # Page: 94.1% mean with flip-TTA after 10 epochs (26 s on a V100)
     batch_size=512,          # Page; the last partial batch is dropped: 97 steps per epoch
@@ -1308,6 +1308,18 @@ TINY = dict(epochs=4, batch_size=64, train_images=3000, test_images=500, channel
 HYP_OPTIONS = ('epochs', 'batch_size', 'cutout')  # their options' None keeps HYP's (TINY's) value
 
 
+def hyp_setting(text):
+    """--set's NAME=VALUE as (NAME, VALUE), VALUE of HYP's type (a tuple: 1,2,3 or (1, 2, 3))."""
+    name, _, value = text.partition('=')
+    kind = type(HYP.get(name))
+    try:
+        return name, tuple(map(int, value.strip('()').split(','))) if kind is tuple else kind(value)
+    except (TypeError, ValueError):  # TypeError: no such name (NoneType)
+        why = (f'{name} takes a value like {HYP[name]}' if name in HYP else
+               f"no such name; HYP has {', '.join(HYP)}")
+        raise argparse.ArgumentTypeError(f'{text!r}: {why}') from None
+
+
 def parse_args(argv, defaults=None):
     """The options, a short line each: README.md's Options table is their reference. defaults: a
     resumed job's own options, which those in argv override."""
@@ -1341,6 +1353,8 @@ def parse_args(argv, defaults=None):
     add('--spread', choices=['batches', 'runs'], default='batches',
         help='torchrun: split each batch over the ranks, or give each rank whole runs')
     add('--peak-tflops', type=float, metavar='TFLOPS', help="the device's peak, for the MFU")
+    add('--set', nargs='+', default=[], metavar='NAME=VALUE', type=lambda t: hyp_setting(t) and t,
+        help='HYP values: label_smoothing=0.1 channels=8,16,32,64')  # kept as typed
     parser.set_defaults(**(defaults or {}))
     return parser.parse_args(argv)
 
@@ -1353,9 +1367,15 @@ def in_notebook_cell():
 def check_options(args, hyp, world, spread):
     """Refuse, before any work, what cannot make a sensible run: one line, '--option value: why'."""
     price, peak, batch = args.gpu_price, args.peak_tflops, hyp['batch_size']
-    split = world * hyp['bn_split_size']  # each rank takes whole splits of ghost batch norm
+    split = world * max(hyp['bn_split_size'], 1)  # each rank takes whole splits of ghost batch norm
     ranks = f" x {world} ranks" if world > 1 else ''
-    checks = [('--epochs', hyp['epochs'], hyp['epochs'] >= 1, 'must be at least 1'),
+    sets = [(name, hyp[name] > 0, 'must be positive') for name in ('bn_split_size', 'ema_every',
+            'augment_options', 'eval_batch_size', 'bias_lr_scale', 'celu_alpha')]  # else a crash
+    sets += [('pad', 0 <= hyp['pad'] < 32, 'must be 0 to 31'),
+             ('label_smoothing', 0 <= hyp['label_smoothing'] <= 1, 'must be 0 to 1'),
+             ('channels', [c > 0 for c in hyp['channels']] == [True] * 4, 'must be 4 widths > 0')]
+    checks = [*(('--set', f'{name}={hyp[name]}', ok, why) for name, ok, why in sets),
+              ('--epochs', hyp['epochs'], hyp['epochs'] >= 1, 'must be at least 1'),
               ('--runs', args.runs, args.runs >= 1, 'must be at least 1'),
               ('--batch-size', batch, batch > 0 and batch % split == 0, 'must be a positive '
                f"multiple of {split} (ghost batch norm's split of {hyp['bn_split_size']}{ranks})"),
@@ -1413,9 +1433,9 @@ class Job:
 
     def take_options(self, args):
         """The options, and the hyperparameters and ranks' roles they give."""
-        given = {name: getattr(args, name) for name in HYP_OPTIONS}
-        self.args, self.hyp = args, {**HYP, **(TINY if args.tiny else {}),
-                                     **{k: v for k, v in given.items() if v is not None}}
+        given = {k: getattr(args, k) for k in HYP_OPTIONS if getattr(args, k) is not None}
+        given.update(map(hyp_setting, args.set))  # --set wins
+        self.args, self.hyp = args, {**HYP, **(TINY if args.tiny else {}), **given}
         self.spread = args.spread == 'runs' and self.world > 1
         self.batch_ranks = 1 if self.spread else self.world  # the ranks a batch is split over
 
