@@ -529,46 +529,10 @@ class UserError(Exception):
     """A problem the user can fix: main prints the message on one line and exits non-zero."""
 
 
-def download(url, archive, md5):
-    """Download url to archive, which appears only whole: this machine's part file (nodes may share
-    the disk) is renamed once its md5 is the official one (a cut connection ends quietly)."""
-    partial = archive.with_name(f'.{archive.name}.{platform.node()}.part')
-    try:
-        with urllib.request.urlopen(url, timeout=60) as response, open(partial, 'wb') as out:
-            print(f'downloading {url}', file=sys.stderr)
-            shutil.copyfileobj(response, out, 1 << 20)
-        got = hashlib.md5(partial.read_bytes()).hexdigest()
-        if got != md5:
-            raise UserError(f'the download of {url} has md5 {got}, not {md5}: it is cut short or '
-                            'not the CIFAR-10 archive; nothing was kept, try again')
-        os.replace(partial, archive)
-    except (OSError, ValueError, http.client.HTTPException) as e:  # ValueError: a malformed url
-        why = e if isinstance(e, urllib.error.HTTPError) else getattr(e, 'reason', e)
-        raise UserError(f'cannot download {url} into {partial} ({why}): check the network and the '
-                        f'disk, or put {BATCHES_DIR}/ into {archive.parent} yourself') from None
-    finally:
-        partial.unlink(missing_ok=True)
-
-
-def extract(archive, data_dir):
-    """Extract the archive's cifar-10-batches-py/ into data_dir, whole or not at all."""
-    if not hasattr(tarfile, 'data_filter'):
-        raise UserError(f'this Python {platform.python_version()} cannot extract archives safely '
-                        '(tarfile has no data filter): use Python 3.10.12, 3.11.4, 3.12 or later')
-    try:
-        with tempfile.TemporaryDirectory(dir=data_dir, prefix='.extract-',
-                                         ignore_cleanup_errors=True) as staging:
-            with tarfile.open(archive, 'r:gz') as tar:
-                tar.extractall(staging, filter='data')  # refuses absolute paths, links out, devices
-            os.replace(os.path.join(staging, BATCHES_DIR), data_dir / BATCHES_DIR)
-    except (tarfile.TarError, EOFError, OSError) as e:
-        if not (data_dir / BATCHES_DIR).is_dir():  # else another job put it there whole first
-            raise UserError(f'cannot extract {archive} ({e}): if it is cut short or not the '
-                            'CIFAR-10 python archive, delete it') from None
-
-
 def ensure_cifar10(data_dir, url=CIFAR10_URL, md5=CIFAR10_MD5):
-    """The folder of the batch files, data_dir or its cifar-10-batches-py, downloaded if missing."""
+    """The folder of the batch files, data_dir or its cifar-10-batches-py, downloaded if missing.
+    What it makes appears whole or not at all, whoever else shares the disk: the archive is this
+    machine's part file renamed once its md5 is the official one, the batches a staging folder's."""
     data_dir = Path(data_dir)
     if (data_dir / 'data_batch_1').is_file():
         return data_dir
@@ -578,16 +542,40 @@ def ensure_cifar10(data_dir, url=CIFAR10_URL, md5=CIFAR10_MD5):
             if not folder.exists()]  # removed again if this fails
     hint = ' (is that path right?)' if made else ''  # likelier than a network fault
     archive = data_dir / CIFAR10_URL.rsplit('/', 1)[-1]  # whatever the mirror's url
+    partial = archive.with_name(f'.{archive.name}.{platform.node()}.part')
+    failed, advice = 'cannot make it', ''
     try:
         if not (data_dir / BATCHES_DIR).is_dir():
             data_dir.mkdir(parents=True, exist_ok=True)
-            if not archive.exists():  # one already there: extract and load_cifar10's md5s judge it
-                download(url, archive, md5)
-            extract(archive, data_dir)
-    except (OSError, UserError) as e:  # OSError: mkdir's
-        why = e.strerror if isinstance(e, OSError) else e
-        raise UserError(f'no CIFAR-10 in --data-dir {data_dir}{hint}; {why}') from None
+            if not archive.exists():  # one already there: its extraction and the md5s judge it
+                failed = f'cannot download {url} into {partial}'
+                advice = f': check the network and the disk, or put {BATCHES_DIR}/ there yourself'
+                with urllib.request.urlopen(url, timeout=60) as response, open(partial, 'wb') as out:
+                    print(f'downloading {url}', file=sys.stderr)
+                    shutil.copyfileobj(response, out, 1 << 20)
+                if (got := hashlib.md5(partial.read_bytes()).hexdigest()) != md5:
+                    raise ValueError(f'its md5 is {got}, not {md5}: it is cut short or not the '
+                                     'CIFAR-10 archive')
+                os.replace(partial, archive)
+            if not hasattr(tarfile, 'data_filter'):
+                raise UserError(f'this Python {platform.python_version()} cannot extract archives '
+                                'safely (tarfile has no data filter): use Python 3.10.12, 3.11.4, '
+                                '3.12 or later')
+            failed = f'cannot extract {archive}'
+            advice = ': if it is cut short or not the CIFAR-10 python archive, delete it'
+            with tempfile.TemporaryDirectory(dir=data_dir, prefix='.extract-',
+                                             ignore_cleanup_errors=True) as staging:
+                with tarfile.open(archive, 'r:gz') as tar:
+                    tar.extractall(staging, filter='data')  # refuses absolute paths, links out
+                os.replace(os.path.join(staging, BATCHES_DIR), data_dir / BATCHES_DIR)
+    except (OSError, ValueError, EOFError, tarfile.TarError, http.client.HTTPException) as e:
+        if not (data_dir / BATCHES_DIR).is_dir():  # else another job put it there first, whole
+            why = e if isinstance(e, urllib.error.HTTPError) else getattr(e, 'reason', e)
+            raise UserError(f'no CIFAR-10 in --data-dir {data_dir}{hint}; {failed} ({why}){advice}'
+                            ) from None
     finally:
+        with contextlib.suppress(OSError):  # NotADirectoryError where a file is in the path
+            partial.unlink(missing_ok=True)
         for folder in made:  # deepest first; one that holds anything stays
             with contextlib.suppress(OSError):
                 folder.rmdir()
@@ -644,61 +632,54 @@ def load_cifar10(folder):
 # ==== Devices and precision ====================================================================
 def pick_device(name, local_rank=None):
     """The training device. Under torchrun (local_rank given) each rank takes its own GPU."""
-    mps, gpus = torch.backends.mps.is_available(), torch.cuda.device_count()
+    gpus, mps = torch.cuda.device_count(), torch.backends.mps.is_available()
     if name == 'auto':
         name = 'cuda' if torch.cuda.is_available() else 'mps' if mps else 'cpu'
-    kind, _, index = name.partition(':')  # not torch.device's parsing: cuda:128 is cuda:-128
-    if kind == 'cuda' and local_rank is not None:
-        index = str(local_rank)
-    number = re.fullmatch('[0-9]+', index or '0')  # not str.isdigit, which takes '²'
-    usable = dict(cpu=not index, cuda=bool(number) and int(number[0]) < gpus,
-                  mps=mps and not index and local_rank is None)  # ranks: NCCL (cuda), gloo (cpu)
-    if not usable.get(kind):
-        build = '' if torch.version.cuda else ' (this torch is a CPU-only build)'
-        raise UserError(f"--device {name!r}: not a device torch trains on here (it sees "
-                        f"{gpus or 'no'} CUDA GPU(s){build}, {'' if mps else 'no '}MPS; torchrun's "
-                        'ranks take cuda or cpu): choose auto, cuda, cuda:N, mps or cpu')
-    return torch.device(kind, int(index)) if index else torch.device(kind)
+    with contextlib.suppress(RuntimeError):  # torch.device('cuda:x') raises
+        device = torch.device(name)  # str(): cuda:128 is cuda:-128 to it, cuda:255 cuda
+        index = local_rank if device.type == 'cuda' and local_rank is not None else device.index
+        usable = dict(cpu=index is None, cuda=(index or 0) < gpus,  # ranks: NCCL (cuda), gloo (cpu)
+                      mps=mps and index is None and local_rank is None)
+        if usable.get(device.type) and str(device) == name:
+            return torch.device(device.type, index)
+    build = '' if torch.version.cuda else ' (this torch is a CPU-only build)'
+    raise UserError(f"--device {name!r}: not a device torch trains on here (it sees {gpus or 'no'} "
+                    f"CUDA GPU(s){build}, {'' if mps else 'no '}MPS; torchrun's ranks take cuda or "
+                    'cpu): choose auto, cuda, cuda:N, mps or cpu')
 
 
 def pick_dtype(name, device):
-    """The training dtype, once a short probe run has succeeded with it on this device: a GPU
-    without bf16 fails it; one that emulates bf16 runs slowly but right."""
+    """The training dtype, once two steps of a narrow network on random images have run in it on
+    this device: a GPU without bf16 fails them; one that emulates bf16 runs slowly but right."""
     if name == 'auto':
         name = 'fp16' if device.type == 'cuda' else 'fp32'
     dtype = dict(fp16=torch.float16, bf16=torch.bfloat16, fp32=torch.float32)[name]
+    images = np.random.default_rng(0).integers(0, 256, (128, 3, 32, 32), dtype=np.uint8)
+    labels = np.arange(128) % NUM_CLASSES
+    hyp = {**HYP, 'channels': (8, 8, 8, 8), 'epochs': 1, 'batch_size': 64, 'eval_batch_size': 64,
+           'whitening_images': 128, 'cutout': 8}
+    data = dict(train_images=images, train_labels=labels, test_images=images, test_labels=labels)
     try:
-        probe_run(device, dtype)
+        train_run(data, Networks(hyp, device, dtype, False), hyp, 0, lambda row: None)
     except (RuntimeError, TypeError, NotImplementedError) as e:
         raise UserError(f'--dtype {name} does not run on {device.type} ({str(e).splitlines()[0]}); '
                         'choose another --dtype or --device') from None
     return dtype
 
 
-def probe_run(device, dtype):
-    """Two steps of a narrow network on random images: what cannot train fails here, in seconds."""
-    images = np.random.default_rng(0).integers(0, 256, (128, 3, 32, 32), dtype=np.uint8)
-    labels = np.arange(128) % NUM_CLASSES
-    hyp = {**HYP, 'channels': (8, 8, 8, 8), 'epochs': 1, 'batch_size': 64, 'eval_batch_size': 64,
-           'whitening_images': 128, 'cutout': 8}
-    data = dict(train_images=images, train_labels=labels, test_images=images, test_labels=labels)
-    train_run(data, Networks(hyp, device, dtype, False), hyp, 0, lambda row: None)
-
-
 def evaluates_in_tf32(device, dtype):
-    """Whether the EMA's fp32 evaluation may use TF32 (fp16's precision): CUDA 8.0+, fp16/bf16."""
-    return (device.type == 'cuda' and dtype != torch.float32
-            and torch.cuda.get_device_capability(device)[0] >= 8)
-
-
-def fp32_precision(device, dtype):
-    """On CUDA, TF32 off for training (the folded whitening's gradient would round as in fp16), on
-    for the EMA's evaluation (in_tf32); returns what the header says of it, None off CUDA."""
+    """On CUDA, TF32 off for training (the folded whitening's gradient would round as in fp16);
+    whether the EMA's fp32 evaluation may use it: fp16/bf16 training, a GPU of 8.0 or later."""
     if device.type != 'cuda':
-        return None  # CPUs and MPS compute fp32 as fp32
+        return False  # CPUs and MPS compute fp32 as fp32
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
     warnings.filterwarnings('ignore', message='TensorFloat32 tensor cores')  # inductor's advice
-    return "TF32 for the EMA's evaluation only" if evaluates_in_tf32(device, dtype) else 'TF32 off'
+    return dtype != torch.float32 and torch.cuda.get_device_capability(device)[0] >= 8
+
+
+def compiles(args, device):
+    """Compiled but on MPS (experimental) and for --tiny (compiling outlasts it); --compile wins."""
+    return args.compile if args.compile is not None else device.type != 'mps' and not args.tiny
 
 
 def in_tf32(function):
@@ -711,11 +692,6 @@ def in_tf32(function):
         finally:
             torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
     return call
-
-
-def compiles(args, device):
-    """Compiled but on MPS (experimental) and for --tiny (compiling outlasts it); --compile wins."""
-    return args.compile if args.compile is not None else device.type != 'mps' and not args.tiny
 
 
 # ==== Compilation: compiled before the warm-up, checked against eager, eager if it fails =======
@@ -1469,7 +1445,9 @@ class Job:
         if hyp['batch_size'] > len(data['train_images']):
             raise UserError(f"--batch-size {hyp['batch_size']}: larger than the "
                             f"{len(data['train_images'])} training images")
-        self.fp32_math = fp32_precision(self.device, self.dtype)
+        tf32 = evaluates_in_tf32(self.device, self.dtype)  # on CUDA, TF32 off for training
+        self.fp32_math = (("TF32 for the EMA's evaluation only" if tf32 else 'TF32 off')
+                          if self.device.type == 'cuda' else None)
         self.flops = count_flops(hyp, len(data['train_images']))
         self.peak = peak_tflops(self.device, self.dtype, args.peak_tflops)
         self.context = json_ready(dict(
