@@ -618,9 +618,8 @@ def test_warm_up_makes_every_tensor_shape_of_a_run(dataset):
     batches) has its shape made in the warm-up too."""
     data = T.load_cifar10(T.ensure_cifar10(dataset))
     hyp = {**T.HYP, **T.TINY, 'epochs': 2, 'batch_size': 128, 'eval_batch_size': 64}   # 200 test images: 64 x 3 + 8
-    networks = T.Networks(hyp, torch.device('cpu'), torch.float32, compiled=False)
     with ShapeLog() as warm:
-        T.warm_up(data, networks, hyp)
+        networks, _ = T.compiled_warm_up(data, hyp, torch.device('cpu'), torch.float32, False, print)
     with ShapeLog() as run:
         T.train_run(data, networks, hyp, 0, lambda row: None)
     assert run.shapes <= warm.shapes, sorted(run.shapes - warm.shapes)
@@ -804,15 +803,23 @@ def test_run_log_summary_recomputes_from_its_own_rows():
     assert figures('time per run') == pytest.approx([time_s.mean(), np.median(time_s), time_s.max()], abs=0.00505)
 
 
+def header_context(hyp, **changes):
+    """A job's context as Job.set_up makes it, for header_lines."""
+    return {**dict(script_sha256='0123456789abcdef', torch=torch.__version__, device='CPU', dtype='torch.float32',
+                   fp32_math=None, seed=0, train_images=3000, test_images=500, hyperparameters=hyp, data='x',
+                   data_digest='d', flops=T.count_flops(hyp, 3000), peak_tflops=None), **changes}
+
+
 def test_hyperparameters_are_printed_in_lines_a_terminal_shows_whole():
     hyp = {**T.HYP, **T.TINY}
-    header = T.header_lines(hyp, dict(train_images=[0] * 3000, test_images=[0], provenance='x', digest='d'),
-                            torch.device('cpu'), torch.float32, 0, T.count_flops(hyp, 3000), None, 1)
+    header = T.header_lines(header_context(hyp))
     lines = [line for line in header if 'hyperparameters' in line or line.startswith('    ')]
     assert all(len(line) <= 100 for line in lines) and len(lines) > 1
     printed = re.sub(r'\s+', ' ', ' '.join(lines).replace('hyperparameters: ', ''))
     assert printed == ', '.join(f'{k}={v}' for k, v in hyp.items())    # every item, once, in order
     assert 'whitening_images=3000' in printed                     # --tiny whitens its 3,000 images
+    said = "TF32 for the EMA's evaluation only"
+    assert f'EMA fp32; {said})' in T.header_lines(header_context(hyp, fp32_math=said))[1]
 
 
 def test_help_gives_examples_and_no_empty_defaults(capsys, monkeypatch):
@@ -830,8 +837,8 @@ def test_help_gives_examples_and_no_empty_defaults(capsys, monkeypatch):
 def test_table_columns_are_twelve_characters_wide():
     line = T.table_line(T.COLUMNS)
     assert len(line) == 12 * 9 and line[:12] == '       epoch' and line.endswith('  total time')
-    row = T.table_row(dict(epoch=3, lr=0.1, train_time=2.5, train_loss=1.23456, train_acc=0.5,
-                           valid_time=0.25, valid_loss=1.0, valid_acc=0.9412, total_time=7.75))
+    row = T.table_line(dict(epoch=3, lr=0.1, train_time=2.5, train_loss=1.23456, train_acc=0.5,
+                            valid_time=0.25, valid_loss=1.0, valid_acc=0.9412, total_time=7.75).values())
     assert row == ''.join(f'{s:>12}' for s in
                           ['3', '0.1000', '2.5000', '1.2346', '0.5000', '0.2500', '1.0000', '0.9412', '7.7500'])
 
@@ -1287,7 +1294,7 @@ def test_a_run_whose_training_loss_is_not_finite_is_failed(dataset, tmp_path, mo
     assert run['failed'] and math.isfinite(run['rows'][-1]['valid_loss'])
 
 
-@pytest.mark.parametrize('stage', ['pick_dtype', 'ensure_cifar10', 'load_cifar10', 'warm_up', 'train_run'])
+@pytest.mark.parametrize('stage', ['pick_dtype', 'ensure_cifar10', 'load_cifar10', 'compiled_warm_up', 'train_run'])
 def test_ctrl_c_at_any_stage_ends_cleanly(dataset, tmp_path, monkeypatch, capsys, stage):
     """Ctrl-C while the device is probed, the data found or loaded, during the warm-up or in run 2:
     status 130, no traceback, the summary of the finished runs if any, no half-written file."""
@@ -1472,7 +1479,8 @@ def finished_job(dataset, tmp_path_factory):
 def write_job(path, job):
     """A job's file as the script writes one (with the sha256 of its content), holding what a test
     changed in it."""
-    path.write_text(T.job_file_text({k: v for k, v in job.items() if k not in ('format', 'sha256')}))
+    job = {k: v for k, v in job.items() if k != 'sha256'}
+    path.write_text(json.dumps({**job, 'sha256': T.job_sha256(job)}))
 
 
 def no_training(monkeypatch):
@@ -1542,29 +1550,6 @@ def test_resume_of_a_finished_job_prints_its_tables_and_summary_and_trains_nothi
     assert len((tmp_path / 'a.tsv').read_text().splitlines()) == rows
 
 
-def test_spread_runs_needs_json_and_keeps_a_ranks_runs_whose_job_file_is_gone(finished_job, tmp_path, monkeypatch,
-                                                                              capsys):
-    """A new job refuses the rank file of a job whose file was deleted; --resume takes its runs in."""
-    source, options = finished_job
-    monkeypatch.setenv('WORLD_SIZE', '2')                         # rank 0 of 2, as torchrun starts it
-    assert T.main([*options, '--spread', 'runs']) == 1
-    assert capsys.readouterr().err == ("error (rank 0): --spread 'runs': needs --json, beside which the ranks leave "
-                                       'their runs for rank 0\n')
-    monkeypatch.delenv('WORLD_SIZE')
-    job, path, rank_file = json.loads(source.read_text()), tmp_path / 'a.json', tmp_path / '.a.json.rank1'
-    write_job(rank_file, {**job, 'runs': job['runs'][1:]})        # rank 1's run 2; a.json was deleted
-    text = rank_file.read_bytes()
-    assert T.main([*options, '--runs', '2', '--json', str(path)]) == 1
-    assert capsys.readouterr().err == (f"error: --json '{path}': exists (or the .rank files of a spread job beside "
-                                       'it do), and a new job overwrites no file: give another path, or --resume '
-                                       'it if it holds this job\n')
-    assert rank_file.read_bytes() == text and not path.exists()
-    assert T.main([*options, '--runs', '2', '--resume', str(path)]) == 0   # trains run 1 alone
-    assert capsys.readouterr().out.count(f'read back from {path}') == 2   # the table's and the summary's
-    assert [without_times(r) for r in T.read_job(path, '--json')['runs']] == [without_times(r) for r in job['runs']]
-    assert not rank_file.exists()
-
-
 @pytest.fixture
 def rank_0_of_2(monkeypatch):
     """This process as rank 0 of 2, as torchrun starts it, its process group stubbed (rank 1 alike);
@@ -1573,6 +1558,7 @@ def rank_0_of_2(monkeypatch):
         monkeypatch.setenv(name, str(value))
     monkeypatch.setattr(T, 'join_process_group', lambda *args, **kwargs: None)
     monkeypatch.setattr(T.dist, 'barrier', lambda *args, **kwargs: None)
+    monkeypatch.setattr(T.dist, 'get_backend', lambda *args: 'gloo')
     monkeypatch.setattr(T.dist, 'all_gather_object', lambda contexts, context: contexts.__setitem__(
         slice(None), [context, context]))
     sigterm = signal.getsignal(signal.SIGTERM)
@@ -1594,40 +1580,11 @@ def test_a_spread_job_over_unlike_machines_is_refused_before_any_run(dataset, tm
     assert not (tmp_path / 'a.json').exists()
 
 
-def test_resume_takes_in_the_runs_a_spread_jobs_ranks_left_beside_it(finished_job, tmp_path, monkeypatch, capsys):
-    """Rank 0 killed before it took in rank 1's last run: that run waits in rank 1's file, which
-    --resume reads (on any number of ranks), writes into the job's file, then removes."""
-    source, options = finished_job
-    job = json.loads(source.read_text())
-    path, rank_file = tmp_path / 'a.json', tmp_path / '.a.json.rank1'
-    write_job(path, {**job, 'runs': job['runs'][:1], 'runs_finished': 1})
-    write_job(rank_file, {**job, 'runs': job['runs'][1:], 'runs_finished': 1})
-    no_training(monkeypatch)
-    assert T.main([*options, '--runs', '2', '--resume', str(path)]) == 0
-    assert capsys.readouterr().out.count(f', read back from {path}') == 2
-    assert T.read_job(path, '--json')['runs'] == job['runs'] and not rank_file.exists()
-
-
-def test_a_stop_while_a_resumed_spread_job_reads_its_ranks_files_leaves_its_file(finished_job, tmp_path,
-                                                                                 monkeypatch, rank_0_of_2):
-    """Ctrl-C (or torchrun's SIGTERM) while rank 0 reads the ranks' files: the job's file stays as it
-    was, not rewritten with only the runs read so far."""
-    source, options = finished_job
-    job = json.loads(source.read_text())
-    path, rank_file = tmp_path / 'a.json', tmp_path / '.a.json.rank1'
-    write_job(path, {**job, 'runs': job['runs'][:1], 'runs_finished': 1})
-    write_job(rank_file, {**job, 'runs': job['runs'][1:], 'runs_finished': 1})
-    text = path.read_bytes()
-    read_job, stops = T.read_job, []
-
-    def stopped_once(file, option):
-        if Path(file) == rank_file and not stops:
-            stops.append(file)
-            raise KeyboardInterrupt
-        return read_job(file, option)
-    monkeypatch.setattr(T, 'read_job', stopped_once)
-    assert T.main([*options, '--runs', '2', '--spread', 'runs', '--resume', str(path)]) == 130
-    assert stops and path.read_bytes() == text and rank_file.exists()
+def test_spread_runs_needs_no_json(dataset, monkeypatch, capsys, rank_0_of_2):
+    """Rank 0 of 2 (rank 1 stubbed, its gathered run rank 0's own) trains run 1 and prints it."""
+    assert T.main(['--tiny', '--epochs', '1', '--data-dir', str(dataset), '--spread', 'runs']) == 0
+    out = capsys.readouterr().out
+    assert '2 ranks (gloo), each training whole runs' in out and out.count('run 1/1 (seed 0)') == 1
 
 
 def test_resume_reads_back_a_failed_run_as_failed(finished_job, tmp_path, monkeypatch, capsys):
@@ -1822,9 +1779,8 @@ def test_json_on_a_job_file_refuses_to_overwrite_it(finished_job, tmp_path, monk
     monkeypatch.setattr(T, 'pick_dtype', lambda *args: pytest.fail('work started'))
     for file in (path, notes):
         assert T.main([*finished_job[1], '--runs', '4', '--json', str(file)]) == 1
-        assert capsys.readouterr().err == (f"error: --json '{file}': exists (or the .rank files of a spread job "
-                                           'beside it do), and a new job overwrites no file: give another path, '
-                                           'or --resume it if it holds this job\n')
+        assert capsys.readouterr().err == (f"error: --json '{file}': exists, and a new job overwrites no file: "
+                                           'give another path, or --resume it if it holds this job\n')
     assert path.read_bytes() == text and notes.read_text() == 'my notes'
 
 
@@ -1841,8 +1797,8 @@ def test_every_setting_that_changes_a_runs_numbers_is_part_of_the_job(finished_j
     with monkeypatch.context() as patch:
         patch.setattr(torch, 'get_num_threads', lambda: threads + 1)
         assert T.main([*options, '--runs', '3', '--resume', str(path)]) == 1
-    assert re.search(rf"device \(CPU .* -> CPU \(.*\b{threads + 1} threads\)\), that job's -> this one's "
-                     rf'\(OMP_NUM_THREADS={threads} gives that job its threads\)', capsys.readouterr().err)
+    assert re.search(rf"device \(CPU .*\b{threads} threads?\) -> CPU \(.*\b{threads + 1} threads\)\), that job's -> "
+                     r"this one's \(OMP_NUM_THREADS sets a CPU's threads\)", capsys.readouterr().err)
     other = next(c for c in ('AVX512', 'AVX2') if c != torch.backends.cpu.get_cpu_capability())
     monkeypatch.setattr(torch.backends.cpu, 'get_cpu_capability', lambda: other)  # not the job's
     assert T.main([*options, '--runs', '3', '--resume', str(path)]) == 1
@@ -2531,8 +2487,8 @@ def rank_process(parent, rank):
 
 @pytest.mark.skipif(not Path('/proc/self/environ').exists(), reason='finds the rank to kill in /proc')
 def test_a_spread_job_that_loses_a_rank_resumes_in_one_process(dataset, tmp_path, one_process_job):
-    """SIGKILL to rank 1 once run 1 is on disk: torchrun stops the job, what was finished stays (in
-    the job's file and rank 1's), and the job resumes in one process to the uninterrupted job's runs.
+    """SIGKILL to rank 1 once run 1 is on disk: torchrun stops the job, what rank 0 kept stays in the
+    job's file, and the job resumes in one process to the uninterrupted job's runs.
     (test_spread_runs_train_the_runs_of_one_process_and_a_rank_that_fails_costs_only_its_run resumes one
     on 2 ranks.)"""
     path = tmp_path / 'r.json'
@@ -2553,7 +2509,6 @@ def test_a_spread_job_that_loses_a_rank_resumes_in_one_process(dataset, tmp_path
     with one_thread():                                            # here, one thread as each rank had
         assert T.main([*SPREAD, '--spread', 'runs', '--data-dir', str(dataset), '--resume', str(path)]) == 0
     assert [without_times(r) for r in T.read_job(path, '--json')['runs']] == expected
-    assert not list(tmp_path.glob('.r.json.rank*'))                 # taken in, then removed
 
 
 RANK_1_FAILS_IN_RUN_4 = """
@@ -2577,12 +2532,12 @@ sys.exit(T.main())
 
 def test_spread_runs_train_the_runs_of_one_process_and_a_rank_that_fails_costs_only_its_run(dataset, tmp_path,
                                                                                           one_process_job):
-    """Rank r trains runs r+1, r+1+N, ...; rank 0 keeps the others' runs as they arrive, and prints
-    each table once. Rank 1 raises as its second run, run 4, starts, after rank 0 has kept runs 1-3
-    (rank 1's run 2 among them): torchrun stops rank 0, which keeps them. Resumed on 2 ranks with a
-    run more, run 4 is rank 0's and run 5 rank 1's, which starts once run 4 is kept: rank 0 waits
-    for it. Every run's record is the one-process job's but for the clocks; the files are whole,
-    the runs in run order."""
+    """In rounds of a run a rank, rank r trains runs r+1, r+1+N, ...; rank 0 keeps its own run at
+    once, the others' as the round's end gathers them, and prints each table once. Rank 1 raises
+    as its second run, run 4, starts, after rank 0 has kept runs 1-3 (rank 1's run 2 among them):
+    rank 0's gather fails and it stops as at Ctrl-C, runs 1-3 kept. Resumed on 2 ranks with a run
+    more, run 4 is rank 0's and run 5 rank 1's, which starts once run 4 is kept. Every run's record
+    is the one-process job's but for the clocks; the files are whole, the runs in run order."""
     path, worker = tmp_path / 'r.json', tmp_path / 'worker.py'
     worker.write_text(RANK_1_FAILS_IN_RUN_4.format(repo=str(SCRIPT.parent), path=str(path)))
     result = torchrun(worker, *SPREAD, '--spread', 'runs', '--data-dir', dataset, '--json', path,
@@ -2649,8 +2604,6 @@ def test_ctrl_c_stops_every_rank_of_a_spread_job_with_its_runs_on_disk(dataset, 
         stop_torchrun(job)
     assert 'interrupted: summary of the' in out and 'KeyboardInterrupt' not in err
     assert 'Traceback' not in out and not list(tmp_path.glob('.*.part'))    # no part left
-    for rank_file in tmp_path.glob('.r.json.rank*'):   # rank 1's runs, for --resume to read (and remove)
-        assert {r['run'] % 2 for r in T.read_job(rank_file, '--json')['runs']} == {0}
     runs = T.read_job(path, '--json')['runs']
     assert 1 <= len(runs) < 40 and f'runs: {len(runs)} finished' in out
 

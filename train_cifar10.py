@@ -16,7 +16,7 @@ and eager's speed). Read top to bottom: the hyperparameters, the recipe in a run
 banner the harness (its rank helpers: no-ops in one process).
 """
 import argparse, bisect, codecs, contextlib, copy, hashlib, http.client, inspect, io
-import json, math, os, pickle, platform, re, shutil, signal, sys, tarfile, tempfile, textwrap
+import json, math, os, pickle, platform, shutil, signal, sys, tarfile, tempfile, textwrap
 import threading, time, urllib.request, warnings
 from pathlib import Path
 
@@ -697,7 +697,9 @@ def in_tf32(function):
 # ==== Compilation: compiled before the warm-up, checked against eager, eager if it fails =======
 def compiled_warm_up(data, hyp, device, dtype, compiled, log):
     """Build, compile if asked and warm up the networks; returns them and whether compiled. Ranks
-    that split batches all train eager if compilation fails on one (else collectives would hang)."""
+    that split batches all train eager if compilation fails on one (else collectives would hang).
+    The warm-up, untimed, takes the one-off costs (CUDA context, cuDNN's search, allocations): 2
+    steps and the last 2 evaluation batches (a full one and the shorter last: a run's every shape)."""
     networks = Networks(hyp, device, dtype, compiled)
     if compiled:  # the training step at a run's shapes and first weights, then the flip-TTA pass
         start, failure, batch = time.perf_counter(), None, hyp['batch_size'] // rank_and_world()[1]
@@ -722,7 +724,8 @@ def compiled_warm_up(data, hyp, device, dtype, compiled, log):
         else:
             log(f'torch.compile: {time.perf_counter() - start:.1f} s, and its training step '
                 "checked against eager, before the warm-up, outside every run's time")
-    warm_up(data, networks, hyp)
+    train_run(data, networks, {**hyp, 'epochs': 1}, 0, lambda row: None, steps_per_epoch=2,
+              test_batches=2)
     return networks, compiled
 
 
@@ -851,6 +854,15 @@ def same_on_every_rank(tensor):
     return tensor
 
 
+def synced_clock(device):
+    """The clock, read once the device, and under torchrun every rank, has done its queued work."""
+    if device.type != 'cpu':
+        torch.accelerator.synchronize(device)  # cuda's or mps's
+    if SPLIT_BATCHES:  # ranks that train whole runs alone keep their own time
+        dist.barrier()
+    return time.perf_counter()
+
+
 @contextlib.contextmanager
 def signals_held(discard=False):
     """Defer (with discard: drop) Ctrl-C and torchrun's SIGTERM to the block's end: what it writes
@@ -868,26 +880,9 @@ def signals_held(discard=False):
             signal.raise_signal(caught[0])  # now, to the handler it was meant for
 
 
-# ==== Timing: the device's clock, the warm-up ==================================================
-def synced_clock(device):
-    """The clock, read once the device, and under torchrun every rank, has done its queued work."""
-    if device.type != 'cpu':
-        torch.accelerator.synchronize(device)  # cuda's or mps's
-    if SPLIT_BATCHES:  # ranks that train whole runs alone keep their own time
-        dist.barrier()
-    return time.perf_counter()
-
-
-def warm_up(data, networks, hyp):
-    """An untimed run that takes one-off costs (CUDA context, cuDNN's search, first allocations): 2
-    steps and the last 2 evaluation batches (a full one, the shorter last: every shape of a run)."""
-    train_run(data, networks, {**hyp, 'epochs': 1}, seed=0, on_epoch=lambda row: None,
-              steps_per_epoch=2, test_batches=2)
-
-
 # ==== Reporting: the Myrtle.ai / DAWNBench table, the header, the summary over runs ============
 COLUMNS = ('epoch', 'lr', 'train time', 'train loss', 'train acc',
-           'valid time', 'valid loss', 'valid acc', 'total time')
+           'valid time', 'valid loss', 'valid acc', 'total time')  # a row's keys, in its order
 
 
 def table_line(values):
@@ -895,27 +890,34 @@ def table_line(values):
     return ''.join(f'{v:>12.4f}' if isinstance(v, float) else f'{v:>12}' for v in values)
 
 
-def table_row(row):
-    return table_line([row[c.replace(' ', '_')] for c in COLUMNS])
+def run_table_lines(run, runs_requested, source=''):
+    """A finished run's table: its title, the columns, a row per epoch, and FAILED if it failed."""
+    rows = [[math.nan if v is None else v for v in row.values()] for row in run['rows']]
+    lines = [f"\nrun {run['run']}/{runs_requested} (seed {run['seed']}){source}",
+             table_line(COLUMNS), *map(table_line, rows)]
+    if run['failed']:
+        lines.append(f"run {run['run']} FAILED: the loss became NaN in epoch {len(run['rows'])}")
+    return lines
 
 
-def header_lines(hyp, data, device, dtype, seed, flops, peak, world, fp32_math=None, spread=False):
+def header_lines(context, world=1, spread=False):
     """What a log says before its first row: version, device, ranks, settings, data, FLOPs."""
-    device, peak = device_description(device), f' | peak {peak:g} TFLOP/s' if peak else ''
+    hyp, flops, peak = context['hyperparameters'], context['flops'], context['peak_tflops']
+    device, peak = context['device'], f' | peak {peak:g} TFLOP/s' if peak else ''
     if world > 1:
         share = ('each training whole runs' if spread else
                  f"{hyp['batch_size'] // world} images each per step")
         device += f' | {world} ranks ({dist.get_backend()}), {share}'
         peak += f' x {world}' if peak and not spread else ''
     tflop = {key: f'{value / 1e12:.4g} TFLOP' for key, value in flops.items()}
-    return [f'train_cifar10.py {script_hash()} | torch {torch.__version__} | {device}',
-            f"dtype {str(dtype).replace('torch.', '')} (batch norm fp32, EMA fp32"
-            f"{'; ' + fp32_math if fp32_math else ''}) | seed {seed} | "
-            f"{len(data['train_images'])} train / {len(data['test_images'])} test images",
-            *textwrap.wrap(', '.join(f'{k}={v}' for k, v in hyp.items()), 100,
-                           initial_indent='hyperparameters: ', subsequent_indent='    ',
-                           break_long_words=False),
-            f"data: {data['provenance']} (files' digest {data['digest']})",
+    return [f"train_cifar10.py {context['script_sha256']} | torch {context['torch']} | {device}",
+            f"dtype {context['dtype'].replace('torch.', '')} (batch norm fp32, EMA fp32"
+            f"{'; ' + context['fp32_math'] if context['fp32_math'] else ''}) | seed "
+            f"{context['seed']} | {context['train_images']} train / {context['test_images']} test "
+            'images', *textwrap.wrap(', '.join(f'{k}={v}' for k, v in hyp.items()), 100,
+                                     initial_indent='hyperparameters: ', subsequent_indent='    ',
+                                     break_long_words=False),
+            f"data: {context['data']} (files' digest {context['data_digest']})",
             f"model FLOPs: {tflop['step']} a training step x {flops['steps']} steps + "
             f"{tflop['whitening']} whitening = {tflop['run']} a run{peak}",
             'valid = flip-TTA accuracy of the EMA model; total time = preprocessing + training '
@@ -1001,14 +1003,6 @@ def device_description(device):
     return f"CPU ({platform.machine()}, {kernels} kernels, {threads} thread{'s' * (threads != 1)})"
 
 
-def script_hash():
-    """sha256 of this file, so that a log tells which version made it (none when in a cell)."""
-    path = globals().get('__file__')
-    if not (path and os.path.isfile(path)):
-        return 'n/a'
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
-
-
 def count_flops(hyp, n_train):
     """A run's model FLOPs, counted by torch on the meta device: a training step, the whitening."""
     from torch.utils.flop_counter import FlopCounterMode
@@ -1025,21 +1019,22 @@ def count_flops(hyp, n_train):
     return dict(step=step, steps=steps, whitening=whitening, run=steps * step + whitening)
 
 
-# Datasheets' dense fp16/bf16 tensor-core peaks, TFLOP/s (fp32 accumulation; half "with sparsity").
-# A pattern is the whole name torch.cuda.get_device_name() gives, less its maker's words: a variant
-# not listed (H100 NVL, a laptop's RTX 4090) gets no figure rather than its family's.
-PEAK_TFLOPS = (
-    (r'H100 \d+GB HBM3', 989),  # H100 SXM datasheet: 1,979 with sparsity
-    ('H100 PCIe', 756),         # H100 datasheet: 1,513 with sparsity
-    ('H200', 989),              # H200 datasheet, SXM column
-    (r'A100[- ].*GB( PCIe)?', 312),  # A100 datasheet, SXM4 and PCIe (not a MIG slice)
-    ('L40S', 362),              # L40S datasheet: 362.05
-    ('L4', 121),                # L4 datasheet
-    ('A10G', 70),               # AWS's A10 variant, no NVIDIA datasheet: AWS's and clouds' sheets
-    ('T4', 65),                 # T4 datasheet, mixed fp16/fp32
-    (r'V100-SXM2-\d+GB', 125),  # V100 datasheet, SXM2
-    ('RTX 4090', 165),          # Ada (AD102) whitepaper, fp32 accumulate; 330 with fp16 accumulate
-)
+# Datasheets' dense fp16/bf16 tensor-core peaks, TFLOP/s (fp32 accumulation; half "with sparsity"),
+# by the names torch.cuda.get_device_name() gives: a variant not listed (H100 NVL, a MIG slice, a
+# laptop's RTX 4090) gets no figure rather than its family's; --peak-tflops gives one.
+PEAK_TFLOPS = {
+    'NVIDIA H100 80GB HBM3': 989,    # H100 SXM datasheet: 1,979 with sparsity
+    'NVIDIA H100 PCIe': 756,         # H100 datasheet: 1,513 with sparsity
+    'NVIDIA H200': 989,              # H200 datasheet, SXM column
+    **dict.fromkeys(('NVIDIA A100-SXM4-40GB', 'NVIDIA A100-SXM4-80GB', 'NVIDIA A100-PCIE-40GB',
+                     'NVIDIA A100 80GB PCIe'), 312),  # A100 datasheet, SXM4 and PCIe
+    'NVIDIA L40S': 362,              # L40S datasheet: 362.05
+    'NVIDIA L4': 121,                # L4 datasheet
+    'NVIDIA A10G': 70,               # AWS's A10 variant, no NVIDIA datasheet: clouds' sheets
+    'Tesla T4': 65,                  # T4 datasheet, mixed fp16/fp32
+    'Tesla V100-SXM2-16GB': 125, 'Tesla V100-SXM2-32GB': 125,  # V100 datasheet, SXM2
+    'NVIDIA GeForce RTX 4090': 165,  # Ada whitepaper, fp32 accumulate; 330 with fp16 accumulate
+}
 
 
 def peak_tflops(device, dtype, given=None):
@@ -1048,9 +1043,7 @@ def peak_tflops(device, dtype, given=None):
     if (given or device.type != 'cuda' or dtype == torch.float32 or dtype == torch.bfloat16
             and torch.cuda.get_device_capability(device)[0] < 8):
         return given
-    name = torch.cuda.get_device_name(device)
-    return next((peak for pattern, peak in PEAK_TFLOPS
-                 if re.fullmatch(rf'(NVIDIA |Tesla |GeForce )*{pattern}', name)), None)
+    return PEAK_TFLOPS.get(torch.cuda.get_device_name(device))
 
 
 # ==== Statistics: the t distribution, Welch's comparison, the runs a comparison needs ==========
@@ -1127,13 +1120,8 @@ JOB_KEYS = ('script_sha256', 'torch', 'device', 'ranks', 'dtype', 'fp32_math', '
 
 
 def job_sha256(job):
+    """The sha256 of a job's content, which its file holds too: it vouches for every field."""
     return hashlib.sha256(json.dumps(job, sort_keys=True).encode()).hexdigest()
-
-
-def job_file_text(job):
-    """A job as its file's JSON, with the sha256 of its content, which vouches for every field."""
-    job = {'format': JOB_FORMAT, **json_ready(job)}
-    return json.dumps({**job, 'sha256': job_sha256(job)}, indent=1)
 
 
 def read_job(path, option):
@@ -1150,12 +1138,6 @@ def read_job(path, option):
                         "wrote it (another file, an older version's, cut short, or changed since "
                         'by hand or damage); left as it is')
     return job
-
-
-def rank_files(path):
-    """Files .NAME.rankR beside NAME, where a spread job's ranks but 0 leave runs for rank 0."""
-    pattern = re.escape(f'.{Path(path).name}.rank') + r'\d+'
-    return sorted(p for p in Path(path).parent.iterdir() if re.fullmatch(pattern, p.name))
 
 
 def hold_job_file(path):
@@ -1194,39 +1176,6 @@ def job_differences(a, b, keys=JOB_KEYS):
             for job in (a, b))
     return [f"{key} ({a.get(key, 'unset')} -> {b.get(key, 'unset')})" for key in {**a, **b}
             if a.get(key, 'unset') != b.get(key, 'unset')]
-
-
-def resumed_runs(files, context, runs_requested):
-    """The runs of the job files read back, each (path, job), if each is of this job, with no run
-    beyond runs_requested; a run that a rank file and the job file both hold, once."""
-    runs = {}
-    for path, job in files:
-        differences = job_differences(job, context)
-        threads = [re.search(r', (\d+) threads?\)$', j['device']) for j in (job, context)]  # CPUs'
-        hint = (f' (OMP_NUM_THREADS={threads[0][1]} gives that job its threads)'
-                if all(threads) and threads[0][1] != threads[1][1] else '')  # torchrun's ranks: 1
-        if differences:
-            raise UserError(f"--resume {path}: that job differs from this one in "
-                            f"{', '.join(differences)}, that job's -> this one's{hint}: resume it "
-                            'on its kind of device without an option that changes it, or give '
-                            'a new job its own --json')
-        for run in job['runs']:
-            if run['run'] > runs_requested:
-                raise UserError(f"--resume {path} holds runs up to {job['runs'][-1]['run']}, more "
-                                f"than --runs {runs_requested}: that job asked for --runs "
-                                f"{job['runs_requested']}")
-            runs.setdefault(run['run'], run)
-    return [runs[number] for number in sorted(runs)]
-
-
-def run_table_lines(run, runs_requested, source=''):
-    """A finished run's table: its title, the columns, a row per epoch, and FAILED if it failed."""
-    rows = [{k: math.nan if v is None else v for k, v in row.items()} for row in run['rows']]
-    lines = [f"\nrun {run['run']}/{runs_requested} (seed {run['seed']}){source}",
-             table_line(COLUMNS), *map(table_row, rows)]
-    if run['failed']:
-        lines.append(f"run {run['run']} FAILED: the loss became NaN in epoch {len(run['rows'])}")
-    return lines
 
 
 def compare_lines(path_a, path_b):
@@ -1340,7 +1289,7 @@ def in_notebook_cell():
     return os.path.basename(sys.argv[0]).endswith('kernel_launcher.py')
 
 
-def check_options(args, hyp, world, spread):
+def check_options(args, hyp, world):
     """Refuse, before any work, what cannot make a sensible run: one line, '--option value: why'."""
     price, peak, batch = args.gpu_price, args.peak_tflops, hyp['batch_size']
     split = world * max(hyp['bn_split_size'], 1)  # each rank takes whole splits of ghost batch norm
@@ -1359,9 +1308,7 @@ def check_options(args, hyp, world, spread):
               ('--gpu-price', price, price is None or price >= 0, 'must not be negative'),
               ('--peak-tflops', peak, peak is None or peak > 0, 'must be positive'),
               ('--json', args.json, args.json is None or args.resume is None,
-               '--resume goes on writing its own file: give --resume alone'),
-              ('--spread', args.spread, not spread or args.json or args.resume,
-               'needs --json, beside which the ranks leave their runs for rank 0')]
+               '--resume goes on writing its own file: give --resume alone')]
     for flag, value, sensible, why in checks:
         if not sensible:
             raise UserError(f'{flag} {value!r}: {why}')
@@ -1385,14 +1332,11 @@ def output_problem(flag, path, paths, resume):
         tempfile.TemporaryFile(dir=os.path.dirname(path) or '.').close()
     except OSError as e:
         return f'cannot write in its folder {os.path.dirname(path) or "."} ({e.strerror})'
-    job_file = flag in ('--json', '--resume') and (os.path.exists(path) or rank_files(path))
-    if flag == '--resume' and not job_file:  # (a spread job's rank files may outlive its file)
+    if flag == '--resume' and not os.path.exists(path):
         return 'no such file (a new job starts with --json)'
-    if flag == '--json' and job_file:  # it may hold hours of runs
-        return ('exists (or the .rank files of a spread job beside it do), and a new job '
-                'overwrites no file: give another path, or --resume it if it holds this job')
-    if flag in ('--log-tsv', '--save') and not resume and os.path.exists(path):
-        return 'exists, and a new job overwrites no file: give another path, or delete it'
+    if flag != '--resume' and not resume and os.path.exists(path):  # it may hold hours of runs
+        return ('exists, and a new job overwrites no file: give another path, or ' +
+                ('--resume it if it holds this job' if flag == '--json' else 'delete it'))
     return None
 
 
@@ -1403,8 +1347,7 @@ class Job:
         self.argv, (self.rank, self.local_rank, self.world) = argv, torchrun_ranks()
         self.log = print if self.rank == 0 else (lambda *_, **__: None)
         self.path = args.resume or args.json  # the job file: a resumed job goes on writing its own
-        self.runs, self.read_back, self.networks, self.lock = [], set(), None, None
-        self.started = self.kept_at = None
+        self.runs, self.read_back, self.networks, self.lock, self.kept_at = [], 0, None, None, None
         self.take_options(args)
 
     def take_options(self, args):
@@ -1412,50 +1355,38 @@ class Job:
         given = {k: getattr(args, k) for k in HYP_OPTIONS if getattr(args, k) is not None}
         given.update(map(hyp_setting, args.set))  # --set wins
         self.args, self.hyp = args, {**HYP, **(TINY if args.tiny else {}), **given}
-        self.spread = args.spread == 'runs' and self.world > 1
+        self.spread = args.spread == 'runs' and self.world > 1  # a rank trains whole runs
         self.batch_ranks = 1 if self.spread else self.world  # the ranks a batch is split over
 
     def set_up(self):
-        """All that can be refused, before any training: options, job file, device, data, the
-        runs read back; then the job file, if it lacks those its ranks' files held."""
+        """All that can be refused, before any training: the options and the job file, the
+        device, the data and the settings that make the job; then the runs read back."""
         if self.args.resume and os.path.isfile(self.path):  # its options; those given here win
             self.take_options(parse_args(self.argv, read_job(self.path, '--resume')['options']))
-        args, hyp, path = self.args, self.hyp, self.path
-        check_options(args, hyp, self.batch_ranks, self.spread)
-        if path and self.rank == 0:
-            self.lock = hold_job_file(path)  # one writer: a second job on it is refused
-        files = [f for f in [path, *rank_files(path)] if os.path.exists(f)] if args.resume else []
-        resumed = [(file, read_job(file, '--resume')) for file in files]  # the job file may be gone
-        self.device = pick_device(args.device, self.local_rank if self.world > 1 else None)
-        self.compiled = compiles(args, self.device)
-        self.dtype = pick_dtype(args.dtype, self.device)
+        args, hyp = self.args, self.hyp
+        check_options(args, hyp, self.batch_ranks)
+        if self.path and self.rank == 0:
+            self.lock = hold_job_file(self.path)  # one writer: a second job on it is refused
+        resumed = read_job(self.path, '--resume') if args.resume else None  # now it is ours
+        self.device = device = pick_device(args.device, self.local_rank if self.world > 1 else None)
+        self.compiled, self.dtype = compiles(args, device), pick_dtype(args.dtype, device)
         if self.world > 1:
-            join_process_group(self.device, not self.spread)  # spread: gloo, for barriers only
+            join_process_group(device, not self.spread)  # spread: gloo, to gather finished runs
         if self.spread:  # torchrun stops every rank (SIGTERM) when one fails: end as Ctrl-C does
             signal.signal(signal.SIGTERM, signal.default_int_handler)
-        if self.world > 1 and self.local_rank != 0:  # one rank a machine downloads, others wait
-            dist.barrier()
-        folder = ensure_cifar10(args.data_dir, args.data_url, CIFAR10_MD5)
-        if self.world > 1 and self.local_rank == 0:
-            dist.barrier()
-        self.data = data = load_cifar10(folder)
-        if args.tiny:
-            for key in ('train_images', 'train_labels', 'test_images', 'test_labels'):
-                data[key] = data[key][:hyp[key.replace('labels', 'images')]]
-        if hyp['batch_size'] > len(data['train_images']):
-            raise UserError(f"--batch-size {hyp['batch_size']}: larger than the "
-                            f"{len(data['train_images'])} training images")
-        tf32 = evaluates_in_tf32(self.device, self.dtype)  # on CUDA, TF32 off for training
-        self.fp32_math = (("TF32 for the EMA's evaluation only" if tf32 else 'TF32 off')
-                          if self.device.type == 'cuda' else None)
-        self.flops = count_flops(hyp, len(data['train_images']))
-        self.peak = peak_tflops(self.device, self.dtype, args.peak_tflops)
-        self.context = json_ready(dict(
-            script_sha256=script_hash(), torch=torch.__version__, ranks=self.batch_ranks,
-            device=device_description(self.device), dtype=str(self.dtype), compile=self.compiled,
-            fp32_math=self.fp32_math, hyperparameters=hyp, seed=args.seed, flops=self.flops,
-            data=data['provenance'], data_digest=data['digest'], peak_tflops=self.peak,
-            train_images=len(data['train_images']), test_images=len(data['test_images'])))
+        self.data = data = self.load_data()
+        tf32 = evaluates_in_tf32(device, self.dtype)  # and, on CUDA, TF32 off for training
+        script = globals().get('__file__')  # none in a notebook cell
+        self.context = dict(  # what the header, --resume and --compare read: the job's identity
+            script_sha256=hashlib.sha256(Path(script).read_bytes()).hexdigest()[:16]
+            if script and os.path.isfile(script) else 'n/a', torch=torch.__version__,
+            device=device_description(device), ranks=self.batch_ranks, dtype=str(self.dtype),
+            fp32_math=(("TF32 for the EMA's evaluation only" if tf32 else 'TF32 off')
+                       if device.type == 'cuda' else None), compile=self.compiled,
+            hyperparameters=hyp, seed=args.seed, flops=count_flops(hyp, len(data['train_images'])),
+            peak_tflops=peak_tflops(device, self.dtype, args.peak_tflops), data=data['provenance'],
+            data_digest=data['digest'], train_images=len(data['train_images']),
+            test_images=len(data['test_images']))
         if self.spread:  # the ranks' runs make one job: every rank's settings must be rank 0's
             contexts = [None] * self.world
             dist.all_gather_object(contexts, self.context)
@@ -1464,29 +1395,60 @@ class Job:
                 raise UserError(f"the ranks differ in {', '.join(differences)} (rank 0 -> "
                                 "another): a --spread runs job's runs must be one job's; use "
                                 'machines alike')
-        self.runs = resumed_runs(resumed, self.context, args.runs)
-        self.read_back = {run['run'] for run in self.runs}
-        # the job file now if it lacks runs read back (its ranks'), asks for other --runs, or is a
-        # spread job's; a finished job resumed as it was keeps its file, summary included
-        job_file = self.spread or bool(args.resume) and (
-            files != [path] or resumed[0][1]['runs_requested'] != args.runs)
-        if self.rank == 0 and (job_file or self.runs and args.log_tsv):
+        if resumed:
+            self.read_back_runs(resumed)
+
+    def load_data(self):
+        """CIFAR-10, downloaded by one rank a machine (its others wait), --tiny's subset of it."""
+        args, hyp = self.args, self.hyp
+        if self.world > 1 and self.local_rank != 0:
+            dist.barrier()
+        folder = ensure_cifar10(args.data_dir, args.data_url, CIFAR10_MD5)
+        if self.world > 1 and self.local_rank == 0:
+            dist.barrier()
+        data = load_cifar10(folder)
+        if args.tiny:
+            for key in ('train_images', 'train_labels', 'test_images', 'test_labels'):
+                data[key] = data[key][:hyp[key.replace('labels', 'images')]]
+        if hyp['batch_size'] > len(data['train_images']):
+            raise UserError(f"--batch-size {hyp['batch_size']}: larger than the "
+                            f"{len(data['train_images'])} training images")
+        return data
+
+    def read_back_runs(self, job):
+        """Take the runs of the job file resumed, if it is this job's with no run beyond --runs;
+        rewrite it at once if it asked for other --runs, the TSV too (a finished job resumed as it
+        was keeps its file, summary included)."""
+        differences = job_differences(job, json_ready(self.context))
+        if differences:
+            cpus = {job['device'], self.context['device']}  # two CPUs: their kernels or threads
+            hint = " (OMP_NUM_THREADS sets a CPU's threads)" if len(cpus) == 2 and all(
+                device.startswith('CPU') for device in cpus) else ''
+            raise UserError(f"--resume {self.path}: that job differs from this one in "
+                            f"{', '.join(differences)}, that job's -> this one's{hint}: resume it "
+                            'on its kind of device without an option that changes it, or give a '
+                            'new job its own --json')
+        if job['runs'] and job['runs'][-1]['run'] > self.args.runs:
+            raise UserError(f"--resume {self.path} holds runs up to {job['runs'][-1]['run']}, more "
+                            f"than --runs {self.args.runs}: that job asked for --runs "
+                            f"{job['runs_requested']}")
+        self.runs, self.read_back = job['runs'], len(job['runs'])
+        more = job['runs_requested'] != self.args.runs
+        if self.rank == 0 and (more or self.args.log_tsv):
             with signals_held():
-                self.write(job_file=job_file)
-        if self.spread:
-            dist.barrier()  # no rank trains before rank 0 has written the job file
+                self.write(job_file=more)
 
     def train(self):
-        """Print the header and the runs read back, warm up, train the missing runs (a spread job's
-        rank: its share); a spread job's rank 0 then waits for the other ranks' runs."""
+        """Print the header and the runs read back, warm up, train the missing runs: ranks that
+        split batches all the same run; under --spread runs, rounds of one run a rank."""
         args, hyp, log = self.args, self.hyp, self.log
         if self.device.type == 'cuda':
             torch.backends.cudnn.benchmark = True  # fixed shapes: cuDNN picks the fastest kernels
-        log('\n'.join(header_lines(hyp, self.data, self.device, self.dtype, args.seed, self.flops,
-                                   self.peak, self.world, self.fp32_math, self.spread)))
+        log('\n'.join(header_lines(self.context, self.world, self.spread)))
         for run in self.runs:
             log('\n'.join(run_table_lines(run, args.runs, f', read back from {args.resume}')))
-        missing = [run for run in range(1, args.runs + 1) if run not in self.read_back]
+        done = {run['run'] for run in self.runs}
+        missing = [run for run in range(1, args.runs + 1) if run not in done]
         if missing:
             log(f"\n{'compilation, then ' if self.compiled else ''}warm-up: an untimed run of 2 "
                 'steps and 2 evaluation batches takes the one-off costs', flush=True)
@@ -1495,63 +1457,64 @@ class Job:
         if self.device.type == 'cuda':
             torch.cuda.reset_peak_memory_stats(self.device)  # the runs', not the warm-up's
         self.started = time.perf_counter()
-        live = (lambda *_, **__: None) if self.spread else log  # spread: whole tables, in keep
-        for run in missing[self.rank::self.world] if self.spread else missing:
-            seed = args.seed + run - 1
-            live(f'\nrun {run}/{args.runs} (seed {seed})\n{table_line(COLUMNS)}', flush=True)
-            rows = train_run(self.data, self.networks, hyp, seed,
-                             lambda row: live(table_row(row), flush=True))
-            losses = rows[-1]['train_loss'], rows[-1]['valid_loss']
-            failed = len(rows) < hyp['epochs'] or not all(map(math.isfinite, losses))
-            record = dict(run=run, seed=seed, failed=failed, compiled=self.compiled, rows=rows,
-                          accuracy=rows[-1]['valid_acc'], time_s=rows[-1]['total_time'])
-            self.keep(record, saved=None if failed else record)
-            if failed:
-                live(run_table_lines(record, args.runs)[-1])  # FAILED, below its rows
-        while self.spread and self.rank == 0 and len(self.runs) < args.runs:
-            if not self.keep():  # the other ranks' last runs
-                time.sleep(0.2)
-        for path in rank_files(self.path) if self.rank == 0 and self.path else []:
-            path.unlink()  # every run in it is in the job file
+        width, mine = (self.world, self.rank) if self.spread else (1, 0)  # runs a round, its own
+        for first in range(0, len(missing), width):
+            round_runs = missing[first:first + width]
+            record = self.train_one(round_runs[mine]) if mine < len(round_runs) else None
+            self.keep([record] if record else [], saved=record)
+            if self.spread:  # every rank's run of the round, to every rank
+                records = [None] * self.world
+                try:
+                    dist.all_gather_object(records, record)
+                except RuntimeError:  # gloo's "Connection closed by peer": a rank stopped
+                    raise KeyboardInterrupt from None  # this one stops too, its runs kept
+                self.keep([r for r in records if r])
 
-    def keep(self, *records, saved=None):
-        """Keep finished runs: these, and on a spread job's rank 0 those its ranks left in their
-        files (printing their tables); rewrite the files, Ctrl-C held. Returns how many it kept."""
-        with signals_held():  # from here a run given is kept: a stop waits for the block's end
-            records = list(records)
-            for path in rank_files(self.path) if self.spread and self.rank == 0 else []:
-                known = {run['run'] for run in self.runs + records}
-                records += [run for run in read_job(path, '--json')['runs']
-                            if run['run'] not in known]
-            if records:
-                self.runs = sorted(self.runs + records, key=lambda run: run['run'])
-                self.kept_at = time.perf_counter()
-                if self.rank == 0 or self.spread:
-                    self.write(saved)
-            for run in records if self.spread else []:
-                self.log('\n'.join(run_table_lines(run, self.args.runs)), flush=True)
-        return len(records)
+    def train_one(self, run):
+        """Train the run (a spread job prints its table whole, once kept); its record."""
+        seed = self.args.seed + run - 1
+        live = (lambda *_, **__: None) if self.spread else self.log
+        live(f'\nrun {run}/{self.args.runs} (seed {seed})\n{table_line(COLUMNS)}', flush=True)
+        rows = train_run(self.data, self.networks, self.hyp, seed,
+                         lambda row: live(table_line(row.values()), flush=True))
+        losses = rows[-1]['train_loss'], rows[-1]['valid_loss']
+        failed = len(rows) < self.hyp['epochs'] or not all(map(math.isfinite, losses))
+        record = dict(run=run, seed=seed, failed=failed, compiled=self.compiled, rows=rows,
+                      accuracy=rows[-1]['valid_acc'], time_s=rows[-1]['total_time'])
+        if failed:
+            live(run_table_lines(record, self.args.runs)[-1])  # FAILED, below its rows
+        return record
+
+    def keep(self, records, saved=None):
+        """Keep finished runs and rewrite the files (rank 0), Ctrl-C held: from here they are
+        kept. A spread job's rank 0 prints their tables."""
+        with signals_held():
+            records = [r for r in records if r['run'] not in {run['run'] for run in self.runs}]
+            self.runs = sorted(self.runs + records, key=lambda run: run['run'])
+            self.kept_at = time.perf_counter()
+            if self.rank == 0 and records:
+                self.write(saved if saved and not saved['failed'] else None)
+                for run in records if self.spread else []:
+                    self.log('\n'.join(run_table_lines(run, self.args.runs)), flush=True)
 
     def write(self, saved=None, job_file=True):
-        """Rewrite the job file (a spread job's other ranks: their rank files), and on rank 0
-        --log-tsv and --save (saved: the run whose EMA model it is). A failure stops the job."""
+        """Rewrite the job file, --log-tsv and --save (saved: the run whose EMA model it is). A
+        failure stops the job."""
         args, runs = self.args, self.runs
         try:
             if self.path and job_file:
-                path = Path(self.path)
-                if self.rank:  # a spread job's other rank: the runs it trained, for rank 0
-                    path = path.with_name(f'.{path.name}.rank{self.rank}')
-                    runs = [run for run in runs if run['run'] not in self.read_back]
                 options = {k: v for k, v in vars(args).items() if k not in ('json', 'resume')}
-                job = dict(self.context, options=options, runs_finished=len(runs),
-                           runs_requested=args.runs, runs=runs, summary=self.summary())
-                write_atomically(path, job_file_text(job).encode(), '--json')
-            if args.log_tsv and self.rank == 0:
+                job = {'format': JOB_FORMAT, **json_ready(dict(
+                    self.context, options=options, runs_finished=len(runs),
+                    runs_requested=args.runs, runs=runs, summary=self.summary()))}
+                text = json.dumps({**job, 'sha256': job_sha256(job)}, indent=1)
+                write_atomically(self.path, text.encode(), '--json')
+            if args.log_tsv:
                 lines = ['epoch\thours\ttop1Accuracy'] + [
                     f"{row['epoch']}\t{row['total_time'] / 3600:.6f}\t{100 * row['valid_acc']:.2f}"
                     for run in runs for row in run['rows']]
                 write_atomically(args.log_tsv, ('\n'.join(lines) + '\n').encode(), '--log-tsv')
-            if args.save and saved and self.rank == 0:  # what it takes to rebuild the model
+            if args.save and saved:  # what it takes to rebuild the model
                 state = {k: v.cpu() for k, v in self.networks.ema.state_dict().items()}
                 checkpoint = dict(state_dict=state, hyperparameters=self.hyp, classes=CLASSES,
                                   mean=CIFAR10_MEAN, std=CIFAR10_STD, run=saved['run'],
@@ -1566,11 +1529,11 @@ class Job:
 
     def summary(self):
         """The summary of the runs kept (read back too), the throughput, on CUDA the peak memory."""
-        args, trained = self.args, len(self.runs) - len(self.read_back)
-        summary = summarize(self.runs, args.gpu_price, count_94=not args.tiny,
-                            flops=self.flops['run'], peak=self.peak, world=self.batch_ranks)
+        args, trained = self.args, len(self.runs) - self.read_back
+        summary = summarize(self.runs, args.gpu_price, not args.tiny, self.context['flops']['run'],
+                            self.context['peak_tflops'], self.batch_ranks)
         if args.resume:
-            summary.update(read_back=len(self.read_back), resumed_from=args.resume)
+            summary.update(read_back=self.read_back, resumed_from=args.resume)
         if trained:
             wall = self.kept_at - self.started  # to the end of the last run kept
             summary.update(wall_s=wall, runs_per_hour=3600 * trained / wall, ranks=self.world)
@@ -1611,13 +1574,13 @@ def main(argv=None):
                 os.close(job.lock)  # which releases it; the lock file stays
             if status == 130:
                 finished = f': summary of the {len(job.runs)} finished run(s)' if job.runs else ''
-                go_on = (f'; --resume {job.path} goes on'
-                         if job.path and Path(job.path).exists() else
-                         '; no run was finished: run the same command again' if job.path else '')
+                go_on = (f'; --resume {job.path} goes on' if job.path and Path(job.path).exists()
+                         else '; no run was finished: run the same command again' if job.path
+                         else '')
                 job.log(f'\ninterrupted{finished}{go_on}')
             if job.runs:
                 job.log('\n' + '\n'.join(summary_lines(job.summary())))
-    if status or (job.spread and job.rank != 0):  # a spread job's rank holds only some runs
+    if status:
         return status
     return 1 if len(job.runs) < args.runs or any(run['failed'] for run in job.runs) else 0
 
