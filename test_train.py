@@ -1798,7 +1798,7 @@ def test_every_setting_that_changes_a_runs_numbers_is_part_of_the_job(finished_j
         patch.setattr(torch, 'get_num_threads', lambda: threads + 1)
         assert T.main([*options, '--runs', '3', '--resume', str(path)]) == 1
     assert re.search(rf"device \(CPU .*\b{threads} threads?\) -> CPU \(.*\b{threads + 1} threads\)\), that job's -> "
-                     r"this one's \(OMP_NUM_THREADS sets a CPU's threads\)", capsys.readouterr().err)
+                     r"this one's: resume it", capsys.readouterr().err)
     other = next(c for c in ('AVX512', 'AVX2') if c != torch.backends.cpu.get_cpu_capability())
     monkeypatch.setattr(torch.backends.cpu, 'get_cpu_capability', lambda: other)  # not the job's
     assert T.main([*options, '--runs', '3', '--resume', str(path)]) == 1

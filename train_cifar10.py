@@ -7,13 +7,12 @@
     python train_cifar10.py --compare a.json b.json               # is the variant better?
     torchrun --nproc_per_node=8 train_cifar10.py --runs 800 --spread runs --json c.json  # 8 GPUs
 
-The final recipe of David Page's "How to train your ResNet" (Myrtle.ai, 2018-19), 94.1% mean test
-accuracy in 10 epochs (26 s on one V100): a ResNet9 whose first layer is a fixed whitening of 3x3
-patches, ghost batch norm, CELU, half precision with batch norm in fp32, label smoothing, Nesterov
-SGD on a piecewise-linear schedule, an EMA of the weights, flip test-time augmentation. An H100 ran
-it in 6.05 s after a 52 s compile, which torch caches for later processes (README.md: the evidence,
-and eager's speed). Read top to bottom: the hyperparameters, the recipe in a run's order, below a
-banner the harness (its rank helpers: no-ops in one process).
+The final recipe of David Page's "How to train your ResNet" (Myrtle.ai, 2018-19): 94.1% mean test
+accuracy in 10 epochs, 26 s on a V100, 6.05 s on an H100 (README.md: the evidence). A ResNet9 whose
+first layer is a fixed whitening of 3x3 patches, ghost batch norm, CELU, half precision with batch
+norm in fp32, label smoothing, Nesterov SGD on a piecewise-linear schedule, an EMA of the weights,
+flip test-time augmentation. Read top to bottom: the hyperparameters, the recipe in a run's order,
+then below a banner the harness (its rank helpers are no-ops in one process).
 """
 import argparse, bisect, codecs, contextlib, copy, hashlib, http.client, inspect, io
 import json, math, os, pickle, platform, shutil, signal, sys, tarfile, tempfile, textwrap
@@ -30,12 +29,11 @@ except KeyboardInterrupt:
     raise SystemExit(130) from None
 
 # ==== Hyperparameters ==========================================================================
-# Values are David Page's final 10-epoch recipe ("How to train your ResNet 8: bag of tricks").
-# The loss is summed over the batch and each step uses lr = schedule(epoch) / batch_size, so the
-# schedule is the learning rate applied to the mean gradient and does not change with the batch
-# size; weight decay is multiplied by batch_size so that the decay per step (lr x wd) does not
-# either. --epochs, --batch-size and --cutout set theirs, --tiny a few more (TINY, below the
-# banner), and --set NAME=VALUE any of them: an ablation needs no edit of this file.
+# David Page's final 10-epoch recipe ("How to train your ResNet 8: bag of tricks"). The loss is
+# summed over the batch and a step's lr is schedule(epoch) / batch_size: the schedule is the rate
+# applied to the mean gradient, whatever the batch size; weight decay is times batch_size, so that
+# the decay a step (lr x wd) does not change either. --set NAME=VALUE sets any of them, no edit of
+# this file; --epochs, --batch-size and --cutout theirs, --tiny a few (TINY, below the banner).
 HYP = dict(
     epochs=10,               # Page: 94.1% mean with flip-TTA after 10 epochs (26 s on a V100)
     batch_size=512,          # Page; the last partial batch is dropped: 97 steps per epoch
@@ -56,8 +54,7 @@ HYP = dict(
     whitening_eps=1e-2,      # ... each filter divided by sqrt(eigenvalue + eps)
     pad=4,                   # Page: reflect-pad by 4, then take a random 32x32 crop
     cutout=0,                # side of a zeroed square; 0 in the 10-epoch recipe, Page used 8 later
-    augment_options=200,     # Page's loader: each epoch at most 200 crop positions (81 at pad 4)
-                             # and cutout corners, each for an equal share of images; half flipped
+    augment_options=200,     # Page's loader: an epoch's crops (81 at pad 4), cutouts: 200 at most
     eval_batch_size=1000,    # any size gives the same results up to rounding; 1000 divides 10,000
 )
 
@@ -165,10 +162,9 @@ def patch_moment(images):
 
 
 def whitening_filters(images, eps):
-    """Page's first layer: fixed 3x3 conv filters that whiten the 27-dim patches of the images, the
-    eigenvectors of the patches' second moment (not centred, as in Page's code) each divided by
-    sqrt(eigenvalue + eps), by decreasing eigenvalue. Whitened patches have (nearly) identity second
-    moment, which the network would otherwise spend epochs learning."""
+    """Page's first layer: fixed 3x3 conv filters that whiten the images' 27-dim patches, the
+    eigenvectors of their second moment (uncentred, as Page's) over sqrt(eigenvalue + eps), largest
+    first: an identity moment, which the network would otherwise spend epochs learning."""
     moment = patch_moment(images).cpu().double()  # eigenvectors in float64, on the CPU
     eigenvalues, eigenvectors = torch.linalg.eigh(moment)  # in ascending order
     eigenvalues, eigenvectors = eigenvalues.flip(0), eigenvectors.T.flip(0)
@@ -191,8 +187,7 @@ class WhitenedPrep(nn.Module):
         nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))  # nn.Conv2d's draw: fan-in 27
 
     def forward(self, x):
-        # fp32 whatever the training dtype: the filters' gradient rounded to fp16 (bf16) would lose
-        # up to 2 % (30 %) of the 1x1 weights' gradient. With 3 input channels, fp32 is cheap.
+        # fp32, cheap with 3 input channels: fp16 (bf16) would lose up to 2 (30) % of the gradient
         wide = at_least_fp32(x.dtype)
         filters = self.weight.to(wide) @ self.whitening.to(wide).flatten(1)
         filters = filters.view(-1, *self.whitening.shape[1:])
@@ -200,11 +195,10 @@ class WhitenedPrep(nn.Module):
 
 
 class GhostBatchNorm(nn.BatchNorm2d):
-    """Batch norm with statistics over splits of split_size images (noisier statistics regularise),
-    scale frozen at 1; split k of s holds images k, k+s, ... as in Page's code. Statistics in fp32;
-    the running ones move by the splits' average. Eager NCHW, the splits are one batch_norm's
-    channels (a view) as in Page's code; at momentum 1 it writes their statistics to stats (but not
-    MPS's in half precision: pytorch#154887). Else, a var_mean over a view."""
+    """Batch norm over splits of split_size images (noisier statistics regularise), scale frozen
+    at 1; split k of s holds images k, k+s, ... Statistics in fp32, the running ones moved by the
+    splits' mean. Eager NCHW: Page's one batch_norm, the splits a view's channels, its statistics
+    written at momentum 1 (not MPS's in half precision: pytorch#154887); else a var_mean."""
 
     def __init__(self, channels, split_size):
         super().__init__(channels)
@@ -294,8 +288,7 @@ def to_training_precision(model, dtype):
 # ==== 3. Training: schedule, optimiser, EMA, the networks built once, one epoch ================
 def lr_schedule(hyp, epoch):
     """Page's piecewise-linear schedule at a fractional epoch: 0 -> lr_peak at epochs/5 -> lr_floor
-    from epochs - floor_epochs on. Runs too short for that (2.5 epochs or less, at 2 floor epochs)
-    reach the floor halfway from peak to end."""
+    from epochs - floor_epochs on (or halfway from peak to end, in runs too short for that)."""
     epochs = hyp['epochs']
     peak, floor = epochs / 5, epochs - hyp['floor_epochs']
     if floor <= peak:
@@ -380,9 +373,9 @@ def summed_loss(model, images, labels, label_smoothing):
 
 
 class Networks:
-    """Built once for every run: the network trained, its fp32 EMA copy that is evaluated, the
-    optimiser, the loss and flip-TTA functions (compiled, in channels_last but on MPS, or eager
-    in NCHW; at fixed shapes: nothing recompiles). reinitialise() draws a run's new weights."""
+    """Built once for every run: the network trained, its fp32 EMA that is evaluated, the optimiser,
+    the loss and flip-TTA functions (compiled in channels_last but on MPS, at fixed shapes: nothing
+    recompiles; or eager in NCHW). reinitialise() draws a run's new weights."""
 
     def __init__(self, hyp, device, dtype, compiled):
         self.device, self.dtype = device, dtype
@@ -444,8 +437,8 @@ def train_epoch(networks, images, labels, epoch, steps, hyp):
 def test_set(data, networks, hyp, last_batches=None):
     """This rank's test images in the EMA's dtype and labels (their last_batches last batches)."""
     rank, world = rank_and_world()  # this rank's: images rank, rank + world, ...
-    images = normalise(data['test_images'][rank::world], networks.device, networks.ema_dtype)
-    images = images.contiguous(memory_format=networks.memory_format)
+    images = normalise(data['test_images'][rank::world], networks.device, networks.ema_dtype
+                       ).contiguous(memory_format=networks.memory_format)
     labels = torch.from_numpy(data['test_labels'][rank::world]).to(networks.device)
     if last_batches:
         batch = hyp['eval_batch_size']
@@ -467,10 +460,9 @@ def evaluate(networks, images, labels, hyp):
 
 # ==== 5. One run, timed by the DAWNBench rule ==================================================
 def train_run(data, networks, hyp, seed, on_epoch, steps_per_epoch=None, test_batches=None):
-    """Train one model from the uint8 arrays; returns its rows, one an epoch (networks.ema holds its
-    EMA model). seed fixes the weights and every augmentation draw (on the CPU: the same run on any
-    device); steps_per_epoch and test_batches (the last ones) cut a run short. The clock, read after
-    a device sync, covers all but building the networks and evaluating (DAWNBench)."""
+    """Train one model from the uint8 arrays; its rows, one an epoch (networks.ema: its EMA). seed
+    fixes the weights and every augmentation draw (on the CPU: the same run on any device); the last
+    arguments cut a run short. The clock, read after a device sync, covers all but evaluating."""
     device, generator = networks.device, torch.Generator().manual_seed(seed)
     test, test_labels = test_set(data, networks, hyp, test_batches)  # for evaluating: not timed
     start = synced_clock(device)
@@ -478,7 +470,8 @@ def train_run(data, networks, hyp, seed, on_epoch, steps_per_epoch=None, test_ba
     train_labels = torch.from_numpy(data['train_labels']).to(device)
     padded = F.pad(train, (hyp['pad'],) * 4, mode='reflect')
     whitening = whitening_filters(train[:hyp['whitening_images']], hyp['whitening_eps'])
-    networks.reinitialise(same_on_every_rank(whitening), seed)
+    average_over_ranks([whitening])  # under torchrun, every rank's the same, bit for bit
+    networks.reinitialise(whitening, seed)
     total_time, rows = synced_clock(device) - start, []
     for epoch in range(1, hyp['epochs'] + 1):
         start = time.perf_counter()  # the device is idle: the last epoch's sums were read
@@ -506,8 +499,8 @@ def train_run(data, networks, hyp, seed, on_epoch, steps_per_epoch=None, test_ba
 
 
 # #############################################################################################
-# Harness: the settings a run is given (device, dtype, compilation, TF32, ranks, --tiny's TINY),
-# and all around it: download, torchrun, timing, reporting, statistics, job files, command line.
+# Harness: what a run is given (device, dtype, compilation, TF32, ranks, --tiny's TINY) and all
+# around it: download, torchrun, timing, reporting, statistics, job files, the command line.
 # #############################################################################################
 
 # ==== Download and safe loading of CIFAR-10's files ============================================
@@ -531,16 +524,14 @@ class UserError(Exception):
 
 def ensure_cifar10(data_dir, url=CIFAR10_URL, md5=CIFAR10_MD5):
     """The folder of the batch files, data_dir or its cifar-10-batches-py, downloaded if missing.
-    What it makes appears whole or not at all, whoever else shares the disk: the archive is this
-    machine's part file renamed once its md5 is the official one, the batches a staging folder's."""
+    What it makes appears whole or not at all, whoever shares the disk: the archive is this
+    machine's part file renamed once its md5 is the official one, the batches a staging folder."""
     data_dir = Path(data_dir)
     if (data_dir / 'data_batch_1').is_file():
         return data_dir
     if data_dir.is_file():
         raise UserError(f'--data-dir {data_dir} is a file, not a folder')
-    made = [folder for folder in [data_dir.resolve(), *data_dir.resolve().parents]
-            if not folder.exists()]  # removed again if this fails
-    hint = ' (is that path right?)' if made else ''  # likelier than a network fault
+    made = [f for f in [data_dir.resolve(), *data_dir.resolve().parents] if not f.exists()]
     archive = data_dir / CIFAR10_URL.rsplit('/', 1)[-1]  # whatever the mirror's url
     partial = archive.with_name(f'.{archive.name}.{platform.node()}.part')
     failed, advice = 'cannot make it', ''
@@ -550,9 +541,9 @@ def ensure_cifar10(data_dir, url=CIFAR10_URL, md5=CIFAR10_MD5):
             if not archive.exists():  # one already there: its extraction and the md5s judge it
                 failed = f'cannot download {url} into {partial}'
                 advice = f': check the network and the disk, or put {BATCHES_DIR}/ there yourself'
-                with urllib.request.urlopen(url, timeout=60) as response, open(partial, 'wb') as out:
-                    print(f'downloading {url}', file=sys.stderr)
-                    shutil.copyfileobj(response, out, 1 << 20)
+                print(f'downloading {url}', file=sys.stderr)
+                with urllib.request.urlopen(url, timeout=60) as response, open(partial, 'wb') as f:
+                    shutil.copyfileobj(response, f, 1 << 20)
                 if (got := hashlib.md5(partial.read_bytes()).hexdigest()) != md5:
                     raise ValueError(f'its md5 is {got}, not {md5}: it is cut short or not the '
                                      'CIFAR-10 archive')
@@ -571,6 +562,7 @@ def ensure_cifar10(data_dir, url=CIFAR10_URL, md5=CIFAR10_MD5):
     except (OSError, ValueError, EOFError, tarfile.TarError, http.client.HTTPException) as e:
         if not (data_dir / BATCHES_DIR).is_dir():  # else another job put it there first, whole
             why = e if isinstance(e, urllib.error.HTTPError) else getattr(e, 'reason', e)
+            hint = ' (is that path right?)' if made else ''  # likelier than a network fault
             raise UserError(f'no CIFAR-10 in --data-dir {data_dir}{hint}; {failed} ({why}){advice}'
                             ) from None
     finally:
@@ -655,16 +647,21 @@ def pick_dtype(name, device):
         name = 'fp16' if device.type == 'cuda' else 'fp32'
     dtype = dict(fp16=torch.float16, bf16=torch.bfloat16, fp32=torch.float32)[name]
     images = np.random.default_rng(0).integers(0, 256, (128, 3, 32, 32), dtype=np.uint8)
-    labels = np.arange(128) % NUM_CLASSES
+    data = dict(train_images=images, train_labels=np.arange(128) % NUM_CLASSES)
     hyp = {**HYP, 'channels': (8, 8, 8, 8), 'epochs': 1, 'batch_size': 64, 'eval_batch_size': 64,
            'whitening_images': 128, 'cutout': 8}
-    data = dict(train_images=images, train_labels=labels, test_images=images, test_labels=labels)
     try:
-        train_run(data, Networks(hyp, device, dtype, False), hyp, 0, lambda row: None)
+        train_run({**data, 'test_images': images, 'test_labels': data['train_labels']},
+                  Networks(hyp, device, dtype, False), hyp, 0, lambda row: None)
     except (RuntimeError, TypeError, NotImplementedError) as e:
         raise UserError(f'--dtype {name} does not run on {device.type} ({str(e).splitlines()[0]}); '
                         'choose another --dtype or --device') from None
     return dtype
+
+
+def compiles(args, device):
+    """Compiled but on MPS (experimental) and for --tiny (compiling outlasts it); --compile wins."""
+    return args.compile if args.compile is not None else device.type != 'mps' and not args.tiny
 
 
 def evaluates_in_tf32(device, dtype):
@@ -675,11 +672,6 @@ def evaluates_in_tf32(device, dtype):
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
     warnings.filterwarnings('ignore', message='TensorFloat32 tensor cores')  # inductor's advice
     return dtype != torch.float32 and torch.cuda.get_device_capability(device)[0] >= 8
-
-
-def compiles(args, device):
-    """Compiled but on MPS (experimental) and for --tiny (compiling outlasts it); --compile wins."""
-    return args.compile if args.compile is not None else device.type != 'mps' and not args.tiny
 
 
 def in_tf32(function):
@@ -699,7 +691,7 @@ def compiled_warm_up(data, hyp, device, dtype, compiled, log):
     """Build, compile if asked and warm up the networks; returns them and whether compiled. Ranks
     that split batches all train eager if compilation fails on one (else collectives would hang).
     The warm-up, untimed, takes the one-off costs (CUDA context, cuDNN's search, allocations): 2
-    steps and the last 2 evaluation batches (a full one and the shorter last: a run's every shape)."""
+    steps and the last 2 evaluation batches (a full one and the shorter last: a run's shapes)."""
     networks = Networks(hyp, device, dtype, compiled)
     if compiled:  # the training step at a run's shapes and first weights, then the flip-TTA pass
         start, failure, batch = time.perf_counter(), None, hyp['batch_size'] // rank_and_world()[1]
@@ -799,7 +791,7 @@ def rank_and_world():
 
 def join_process_group(device, split_batches=True):
     """Join the ranks torchrun started: NCCL between GPUs that split batches, else gloo (CPUs, and
-    ranks of whole runs, which meet only at barriers: an idle NCCL group would hang at the end)."""
+    ranks of whole runs, which only gather them: an idle NCCL group would hang at the end)."""
     global SPLIT_BATCHES
     import torch.distributed.nn  # noqa: F401  now, not later: see leave_process_group
     nccl = device.type == 'cuda' and split_batches
@@ -831,7 +823,8 @@ def data_parallel(net, device):
 
 @torch.no_grad()
 def average_over_ranks(tensors):
-    """Replace each tensor by its mean over the ranks, in one all-reduce (none in one process)."""
+    """Replace each tensor by its mean over the ranks, the same on every rank, in one all-reduce
+    (none in one process)."""
     if SPLIT_BATCHES:
         flat = torch.cat([t.flatten() for t in tensors]) / dist.get_world_size()
         dist.all_reduce(flat)
@@ -845,13 +838,6 @@ def sum_over_ranks(*values):
     if SPLIT_BATCHES:
         dist.all_reduce(sums)
     return sums.tolist()
-
-
-def same_on_every_rank(tensor):
-    """Rank 0's tensor on every rank, rather than each rank's own recomputation, bit for bit."""
-    if SPLIT_BATCHES:
-        dist.broadcast(tensor, 0)
-    return tensor
 
 
 def synced_clock(device):
@@ -902,22 +888,22 @@ def run_table_lines(run, runs_requested, source=''):
 
 def header_lines(context, world=1, spread=False):
     """What a log says before its first row: version, device, ranks, settings, data, FLOPs."""
-    hyp, flops, peak = context['hyperparameters'], context['flops'], context['peak_tflops']
-    device, peak = context['device'], f' | peak {peak:g} TFLOP/s' if peak else ''
+    c, flops = context, context['flops']
+    device, peak = c['device'], f" | peak {c['peak_tflops']:g} TFLOP/s" if c['peak_tflops'] else ''
     if world > 1:
         share = ('each training whole runs' if spread else
-                 f"{hyp['batch_size'] // world} images each per step")
+                 f"{c['hyperparameters']['batch_size'] // world} images each per step")
         device += f' | {world} ranks ({dist.get_backend()}), {share}'
         peak += f' x {world}' if peak and not spread else ''
     tflop = {key: f'{value / 1e12:.4g} TFLOP' for key, value in flops.items()}
-    return [f"train_cifar10.py {context['script_sha256']} | torch {context['torch']} | {device}",
-            f"dtype {context['dtype'].replace('torch.', '')} (batch norm fp32, EMA fp32"
-            f"{'; ' + context['fp32_math'] if context['fp32_math'] else ''}) | seed "
-            f"{context['seed']} | {context['train_images']} train / {context['test_images']} test "
-            'images', *textwrap.wrap(', '.join(f'{k}={v}' for k, v in hyp.items()), 100,
-                                     initial_indent='hyperparameters: ', subsequent_indent='    ',
-                                     break_long_words=False),
-            f"data: {context['data']} (files' digest {context['data_digest']})",
+    fp32_math = f"; {c['fp32_math']}" if c['fp32_math'] else ''
+    return [f"train_cifar10.py {c['script_sha256']} | torch {c['torch']} | {device}",
+            f"dtype {c['dtype'].replace('torch.', '')} (batch norm fp32, EMA fp32{fp32_math}) | "
+            f"seed {c['seed']} | {c['train_images']} train / {c['test_images']} test images",
+            *textwrap.wrap(', '.join(f'{k}={v}' for k, v in c['hyperparameters'].items()), 100,
+                           initial_indent='hyperparameters: ', subsequent_indent='    ',
+                           break_long_words=False),
+            f"data: {c['data']} (files' digest {c['data_digest']})",
             f"model FLOPs: {tflop['step']} a training step x {flops['steps']} steps + "
             f"{tflop['whitening']} whitening = {tflop['run']} a run{peak}",
             'valid = flip-TTA accuracy of the EMA model; total time = preprocessing + training '
@@ -992,11 +978,9 @@ def summary_lines(summary):
 
 def device_description(device):
     """The device as the header and a job's identity name it: a CPU's kernels and threads too."""
-    if device.type == 'cuda':
-        return (f'{torch.cuda.get_device_name(device)}, CUDA {torch.version.cuda}, '
-                f'cuDNN {torch.backends.cudnn.version()}')
-    if device.type == 'mps':
-        return 'Apple MPS'
+    if device.type != 'cpu':
+        return (f'{torch.cuda.get_device_name(device)}, CUDA {torch.version.cuda}, cuDNN '
+                f'{torch.backends.cudnn.version()}' if device.type == 'cuda' else 'Apple MPS')
     isa = os.environ.get('ONEDNN_MAX_CPU_ISA')  # the kernels round differently: part of a job
     kernels = torch.backends.cpu.get_cpu_capability() + (f', oneDNN up to {isa}' if isa else '')
     threads = torch.get_num_threads()
@@ -1023,15 +1007,13 @@ def count_flops(hyp, n_train):
 # by the names torch.cuda.get_device_name() gives: a variant not listed (H100 NVL, a MIG slice, a
 # laptop's RTX 4090) gets no figure rather than its family's; --peak-tflops gives one.
 PEAK_TFLOPS = {
-    'NVIDIA H100 80GB HBM3': 989,    # H100 SXM datasheet: 1,979 with sparsity
-    'NVIDIA H100 PCIe': 756,         # H100 datasheet: 1,513 with sparsity
-    'NVIDIA H200': 989,              # H200 datasheet, SXM column
+    'NVIDIA H100 80GB HBM3': 989, 'NVIDIA H100 PCIe': 756,  # H100 datasheet: SXM, PCIe
+    'NVIDIA H200': 989,  # H200 datasheet, SXM column
     **dict.fromkeys(('NVIDIA A100-SXM4-40GB', 'NVIDIA A100-SXM4-80GB', 'NVIDIA A100-PCIE-40GB',
                      'NVIDIA A100 80GB PCIe'), 312),  # A100 datasheet, SXM4 and PCIe
-    'NVIDIA L40S': 362,              # L40S datasheet: 362.05
-    'NVIDIA L4': 121,                # L4 datasheet
-    'NVIDIA A10G': 70,               # AWS's A10 variant, no NVIDIA datasheet: clouds' sheets
-    'Tesla T4': 65,                  # T4 datasheet, mixed fp16/fp32
+    'NVIDIA L40S': 362, 'NVIDIA L4': 121,  # their datasheets (L40S: 362.05)
+    'NVIDIA A10G': 70,  # AWS's A10 variant, no NVIDIA datasheet: the clouds' sheets
+    'Tesla T4': 65,  # T4 datasheet, mixed fp16/fp32
     'Tesla V100-SXM2-16GB': 125, 'Tesla V100-SXM2-32GB': 125,  # V100 datasheet, SXM2
     'NVIDIA GeForce RTX 4090': 165,  # Ada whitepaper, fp32 accumulate; 330 with fp16 accumulate
 }
@@ -1061,9 +1043,9 @@ def t_cdf(t, df):
 
 
 def t_quantile(p, df):
-    """The t with t_cdf(t, df) = p, by bisection."""
+    """The t with t_cdf(t, df) = p, by bisection to within 2e6 / 2^60."""
     low, high = -1e6, 1e6
-    for _ in range(60):  # to within 2e6 / 2^60
+    for _ in range(60):
         mid = (low + high) / 2
         low, high = (mid, high) if t_cdf(mid, df) < p else (low, mid)
     return (low + high) / 2
@@ -1077,8 +1059,8 @@ def welch(a, b):
         return dict(diff=diff, se=se)  # both sides repeat one value: no test
     df = (va + vb) ** 2 / (va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1))
     half_width = t_quantile(0.975, df) * se
-    p = 2 * t_cdf(-abs(diff) / se, df)
-    return dict(diff=diff, se=se, df=df, ci95=(diff - half_width, diff + half_width), p=p)
+    return dict(diff=diff, se=se, df=df, ci95=(diff - half_width, diff + half_width),
+                p=2 * t_cdf(-abs(diff) / se, df))
 
 
 def runs_for_power(diff, std_a, std_b, power=0.8, most=100_000):
@@ -1094,6 +1076,14 @@ def runs_for_power(diff, std_a, std_b, power=0.8, most=100_000):
 
 
 # ==== Job files: written after every run, read back by --resume, compared by --compare =========
+JOB_FORMAT = 'train_cifar10.py job, format 3'
+# A job's identity, which --resume refuses to mix and --compare shows: every setting that can change
+# a run's numbers (a CPU's device names its kernels and threads; compile: the one asked for).
+DATA_KEYS = ('data', 'data_digest', 'test_images')
+JOB_KEYS = ('script_sha256', 'torch', 'device', 'ranks', 'dtype', 'fp32_math', 'compile',
+            'hyperparameters', 'seed', 'train_images', *DATA_KEYS)
+
+
 def write_atomically(path, data, flag):
     """Write bytes via a temporary file beside path: a write cut short leaves path as it was."""
     tmp = Path(path).with_name(f'.{Path(path).name}.{os.getpid()}.part')
@@ -1109,14 +1099,6 @@ def write_atomically(path, data, flag):
 def json_ready(x):
     """x as its JSON file holds it: tuples as lists, NaN and infinity as null (strict JSON)."""
     return json.loads(json.dumps(x), parse_constant=lambda name: None)
-
-
-JOB_FORMAT = 'train_cifar10.py job, format 3'
-# A job's identity, which --resume refuses to mix and --compare shows: every setting that can change
-# a run's numbers (a CPU's device names its kernels and threads; compile: the one asked for).
-DATA_KEYS = ('data', 'data_digest', 'test_images')
-JOB_KEYS = ('script_sha256', 'torch', 'device', 'ranks', 'dtype', 'fp32_math', 'compile',
-            'hyperparameters', 'seed', 'train_images', *DATA_KEYS)
 
 
 def job_sha256(job):
@@ -1181,8 +1163,7 @@ def job_differences(a, b, keys=JOB_KEYS):
 def compare_lines(path_a, path_b):
     """--compare's report: each side's accuracies, B - A by Welch's t, the runs a side it needs."""
     a, b = read_job(path_a, '--compare'), read_job(path_b, '--compare')
-    differences = job_differences(a, b, DATA_KEYS)
-    if differences:
+    if differences := job_differences(a, b, DATA_KEYS):
         raise UserError(f"--compare: the jobs tested on different data, {', '.join(differences)}: "
                         'their accuracies are not comparable')
     if any(run in b['runs'] for run in a['runs']):  # as read back: a NaN is a null
@@ -1266,6 +1247,8 @@ def parse_args(argv, defaults=None):
         help='auto: fp16 on cuda, else fp32')
     add('--seed', type=int, default=0, help='seed of the first run (default: 0)')
     add('--cutout', type=int, help=f"side of a zeroed square (default: {HYP['cutout']}: none)")
+    add('--set', nargs='+', default=[], metavar='NAME=VALUE', type=lambda t: hyp_setting(t) and t,
+        help='HYP values: label_smoothing=0.1 channels=8,16,32,64')  # kept as typed
     add('--tiny', action='store_true', help='an install check: a subset, a narrow net, seconds')
     add('--json', metavar='PATH', help="write the job: every run's rows, the summary")
     add('--log-tsv', metavar='PATH', help='write a DAWNBench TSV, one block of rows per run')
@@ -1278,8 +1261,6 @@ def parse_args(argv, defaults=None):
     add('--spread', choices=['batches', 'runs'], default='batches',
         help='torchrun: split each batch over the ranks, or give each rank whole runs')
     add('--peak-tflops', type=float, metavar='TFLOPS', help="the device's peak, for the MFU")
-    add('--set', nargs='+', default=[], metavar='NAME=VALUE', type=lambda t: hyp_setting(t) and t,
-        help='HYP values: label_smoothing=0.1 channels=8,16,32,64')  # kept as typed
     parser.set_defaults(**(defaults or {}))
     return parser.parse_args(argv)
 
@@ -1347,7 +1328,7 @@ class Job:
         self.argv, (self.rank, self.local_rank, self.world) = argv, torchrun_ranks()
         self.log = print if self.rank == 0 else (lambda *_, **__: None)
         self.path = args.resume or args.json  # the job file: a resumed job goes on writing its own
-        self.runs, self.read_back, self.networks, self.lock, self.kept_at = [], 0, None, None, None
+        self.runs, self.read_back, self.networks, self.lock = [], 0, None, None
         self.take_options(args)
 
     def take_options(self, args):
@@ -1419,24 +1400,19 @@ class Job:
         """Take the runs of the job file resumed, if it is this job's with no run beyond --runs;
         rewrite it at once if it asked for other --runs, the TSV too (a finished job resumed as it
         was keeps its file, summary included)."""
-        differences = job_differences(job, json_ready(self.context))
-        if differences:
-            cpus = {job['device'], self.context['device']}  # two CPUs: their kernels or threads
-            hint = " (OMP_NUM_THREADS sets a CPU's threads)" if len(cpus) == 2 and all(
-                device.startswith('CPU') for device in cpus) else ''
+        if differences := job_differences(job, json_ready(self.context)):
             raise UserError(f"--resume {self.path}: that job differs from this one in "
-                            f"{', '.join(differences)}, that job's -> this one's{hint}: resume it "
-                            'on its kind of device without an option that changes it, or give a '
-                            'new job its own --json')
+                            f"{', '.join(differences)}, that job's -> this one's: resume it on its "
+                            'kind of device without an option that changes it, or give a new job '
+                            'its own --json')
         if job['runs'] and job['runs'][-1]['run'] > self.args.runs:
             raise UserError(f"--resume {self.path} holds runs up to {job['runs'][-1]['run']}, more "
                             f"than --runs {self.args.runs}: that job asked for --runs "
                             f"{job['runs_requested']}")
         self.runs, self.read_back = job['runs'], len(job['runs'])
-        more = job['runs_requested'] != self.args.runs
-        if self.rank == 0 and (more or self.args.log_tsv):
+        if self.rank == 0 and (job['runs_requested'] != self.args.runs or self.args.log_tsv):
             with signals_held():
-                self.write(job_file=more)
+                self.write(job_file=job['runs_requested'] != self.args.runs)
 
     def train(self):
         """Print the header and the runs read back, warm up, train the missing runs: ranks that
@@ -1447,8 +1423,7 @@ class Job:
         log('\n'.join(header_lines(self.context, self.world, self.spread)))
         for run in self.runs:
             log('\n'.join(run_table_lines(run, args.runs, f', read back from {args.resume}')))
-        done = {run['run'] for run in self.runs}
-        missing = [run for run in range(1, args.runs + 1) if run not in done]
+        missing = sorted(set(range(1, args.runs + 1)) - {run['run'] for run in self.runs})
         if missing:
             log(f"\n{'compilation, then ' if self.compiled else ''}warm-up: an untimed run of 2 "
                 'steps and 2 evaluation batches takes the one-off costs', flush=True)
@@ -1456,11 +1431,11 @@ class Job:
                 self.data, hyp, self.device, self.dtype, self.compiled, log)
         if self.device.type == 'cuda':
             torch.cuda.reset_peak_memory_stats(self.device)  # the runs', not the warm-up's
-        self.started = time.perf_counter()
+        self.started = self.kept_at = time.perf_counter()
         width, mine = (self.world, self.rank) if self.spread else (1, 0)  # runs a round, its own
         for first in range(0, len(missing), width):
-            round_runs = missing[first:first + width]
-            record = self.train_one(round_runs[mine]) if mine < len(round_runs) else None
+            runs = missing[first:first + width]
+            record = self.train_one(runs[mine]) if mine < len(runs) else None
             self.keep([record] if record else [], saved=record)
             if self.spread:  # every rank's run of the round, to every rank
                 records = [None] * self.world
@@ -1472,8 +1447,7 @@ class Job:
 
     def train_one(self, run):
         """Train the run (a spread job prints its table whole, once kept); its record."""
-        seed = self.args.seed + run - 1
-        live = (lambda *_, **__: None) if self.spread else self.log
+        seed, live = self.args.seed + run - 1, (lambda *_, **__: None) if self.spread else self.log
         live(f'\nrun {run}/{self.args.runs} (seed {seed})\n{table_line(COLUMNS)}', flush=True)
         rows = train_run(self.data, self.networks, self.hyp, seed,
                          lambda row: live(table_line(row.values()), flush=True))
@@ -1486,8 +1460,8 @@ class Job:
         return record
 
     def keep(self, records, saved=None):
-        """Keep finished runs and rewrite the files (rank 0), Ctrl-C held: from here they are
-        kept. A spread job's rank 0 prints their tables."""
+        """Keep finished runs (each once) and on rank 0 rewrite the files, Ctrl-C held: from here
+        they are kept. A spread job's rank 0 prints their tables."""
         with signals_held():
             records = [r for r in records if r['run'] not in {run['run'] for run in self.runs}]
             self.runs = sorted(self.runs + records, key=lambda run: run['run'])
@@ -1541,6 +1515,23 @@ class Job:
                 summary['peak_memory_gb'] = torch.cuda.max_memory_allocated(self.device) / 1e9
         return summary
 
+    def end(self, status):
+        """Leave the process group, release the job file, say why a stopped job stopped and what
+        goes on; print the summary of the runs kept. Ctrl-C changes nothing now."""
+        with signals_held(discard=True):
+            self.networks = None  # its DDP model holds the process group
+            leave_process_group()
+            if self.lock is not None:
+                os.close(self.lock)  # which releases it; the lock file stays
+            if status == 130:
+                finished = f': summary of the {len(self.runs)} finished run(s)' if self.runs else ''
+                go_on = (f'; --resume {self.path} goes on' if self.path and Path(self.path).exists()
+                         else '; no run was finished: run the same command again' if self.path
+                         else '')
+                self.log(f'\ninterrupted{finished}{go_on}')
+            if self.runs:
+                self.log('\n' + '\n'.join(summary_lines(self.summary())))
+
 
 def main(argv=None):
     """Train --runs models, print the tables and the summary; returns the exit status. Only rank 0
@@ -1567,19 +1558,7 @@ def main(argv=None):
     except KeyboardInterrupt:  # Ctrl-C, or torchrun stopping a spread job
         status = 130
     finally:
-        with signals_held(discard=True):  # the job has ended, whole: a Ctrl-C now changes nothing
-            job.networks = None  # its DDP model holds the process group
-            leave_process_group()
-            if job.lock is not None:
-                os.close(job.lock)  # which releases it; the lock file stays
-            if status == 130:
-                finished = f': summary of the {len(job.runs)} finished run(s)' if job.runs else ''
-                go_on = (f'; --resume {job.path} goes on' if job.path and Path(job.path).exists()
-                         else '; no run was finished: run the same command again' if job.path
-                         else '')
-                job.log(f'\ninterrupted{finished}{go_on}')
-            if job.runs:
-                job.log('\n' + '\n'.join(summary_lines(job.summary())))
+        job.end(status)
     if status:
         return status
     return 1 if len(job.runs) < args.runs or any(run['failed'] for run in job.runs) else 0
