@@ -818,8 +818,6 @@ def test_hyperparameters_are_printed_in_lines_a_terminal_shows_whole():
     printed = re.sub(r'\s+', ' ', ' '.join(lines).replace('hyperparameters: ', ''))
     assert printed == ', '.join(f'{k}={v}' for k, v in hyp.items())    # every item, once, in order
     assert 'whitening_images=3000' in printed                     # --tiny whitens its 3,000 images
-    said = "TF32 for the EMA's evaluation only"
-    assert f'EMA fp32; {said})' in T.header_lines(header_context(hyp, fp32_math=said))[1]
 
 
 def test_help_gives_examples_and_no_empty_defaults(capsys, monkeypatch):
@@ -1152,11 +1150,14 @@ def test_fp32_precision_is_chosen_and_said(monkeypatch, tf32_allowed, device, dt
     fp16/bf16 training lets only the EMA's evaluation use TF32, on a GPU that has it (8.0 and later:
     a V100, 7.0, has none); a CPU: nothing to choose."""
     monkeypatch.setattr(torch.cuda, 'get_device_capability', lambda device=None: capability)
+    said = T.fp32_precision(torch.device(device), dtype)
     assert T.evaluates_in_tf32(torch.device(device), dtype) == bool(evaluation)
     if evaluation is None:
-        assert torch.backends.cudnn.allow_tf32
+        assert said is None and torch.backends.cudnn.allow_tf32
     else:
         assert not torch.backends.cudnn.allow_tf32 and not torch.backends.cuda.matmul.allow_tf32
+        assert said == ("TF32 for the EMA's evaluation only" if evaluation else 'TF32 off')
+        assert f'EMA fp32; {said})' in T.header_lines(header_context({**T.HYP, **T.TINY}, fp32_math=said))[1]
 
 
 class PrecisionLog(torch.utils._python_dispatch.TorchDispatchMode):
@@ -1176,9 +1177,8 @@ def test_training_keeps_the_fold_in_true_fp32_and_only_the_evaluation_uses_tf32(
     """TF32 rounds to fp16's 10 mantissa bits: in the training step it would undo the fp32 fold of
     the whitening. The flags are read as each convolution and matrix product runs, as CUDA reads
     them; here a CPU stands in for a CUDA GPU that trains in fp16."""
-    monkeypatch.setattr(torch.cuda, 'get_device_capability', lambda device=None: (8, 0))  # an Ampere
-    T.evaluates_in_tf32(torch.device('cuda'), torch.float16)      # TF32 off for training
-    monkeypatch.setattr(T, 'evaluates_in_tf32', lambda device, dtype: True)
+    monkeypatch.setattr(T, 'evaluates_in_tf32', lambda device, dtype: True)  # an Ampere or later
+    T.fp32_precision(torch.device('cuda'), torch.float16)
     networks, hyp = small_networks()
     images, labels = torch.randn(64, 3, 32, 32), torch.arange(64) % 10
     with PrecisionLog() as training:
@@ -1585,6 +1585,20 @@ def test_spread_runs_needs_no_json(dataset, monkeypatch, capsys, rank_0_of_2):
     assert T.main(['--tiny', '--epochs', '1', '--data-dir', str(dataset), '--spread', 'runs']) == 0
     out = capsys.readouterr().out
     assert '2 ranks (gloo), each training whole runs' in out and out.count('run 1/1 (seed 0)') == 1
+
+
+def test_resume_rewrites_its_own_files_and_no_other(finished_job, tmp_path, monkeypatch, capsys):
+    """A resumed job rewrites the --log-tsv and --save its file names; any other file that exists
+    is refused, as for a new job."""
+    source, options = finished_job
+    path, _ = copy_of(source, tmp_path)
+    notes = tmp_path / 'notes.tsv'
+    notes.write_text('my notes')
+    no_training(monkeypatch)
+    assert T.main([*options, '--runs', '2', '--resume', str(path), '--log-tsv', str(notes)]) == 1
+    assert capsys.readouterr().err == (f"error: --log-tsv '{notes}': exists, and a new job overwrites no "
+                                       'file: give another path, or delete it\n')
+    assert notes.read_text() == 'my notes'
 
 
 def test_resume_reads_back_a_failed_run_as_failed(finished_job, tmp_path, monkeypatch, capsys):

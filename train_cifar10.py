@@ -8,13 +8,13 @@
     torchrun --nproc_per_node=8 train_cifar10.py --runs 800 --spread runs --json c.json  # 8 GPUs
 
 The final recipe of David Page's "How to train your ResNet" (Myrtle.ai, 2018-19): 94.1% mean test
-accuracy in 10 epochs, 26 s on a V100, 6.05 s on an H100 (README.md: the evidence). A ResNet9 whose
-first layer is a fixed whitening of 3x3 patches, ghost batch norm, CELU, half precision with batch
-norm in fp32, label smoothing, Nesterov SGD on a piecewise-linear schedule, an EMA of the weights,
-flip test-time augmentation. Read top to bottom: the hyperparameters, the recipe in a run's order,
-then below a banner the harness (its rank helpers are no-ops in one process).
+accuracy in 10 epochs, 26 s on a V100. A ResNet9 whose first layer is a fixed whitening of 3x3
+patches, ghost batch norm, CELU, half precision (on CUDA) with batch norm in fp32, label smoothing,
+Nesterov SGD on a piecewise-linear schedule, an EMA of the weights, flip test-time augmentation.
+Read top to bottom: the hyperparameters, the recipe in a run's order, below a banner the harness
+(the rank helpers the recipe calls do nothing in one process). README.md: the evidence, an H100's.
 """
-import argparse, bisect, codecs, contextlib, copy, hashlib, http.client, inspect, io
+import argparse, bisect, codecs, contextlib, copy, datetime, hashlib, http.client, inspect, io
 import json, math, os, pickle, platform, shutil, signal, sys, tarfile, tempfile, textwrap
 import threading, time, urllib.request, warnings
 from pathlib import Path
@@ -33,7 +33,7 @@ except KeyboardInterrupt:
 # summed over the batch and a step's lr is schedule(epoch) / batch_size: the schedule is the rate
 # applied to the mean gradient, whatever the batch size; weight decay is times batch_size, so that
 # the decay a step (lr x wd) does not change either. --set NAME=VALUE sets any of them, no edit of
-# this file; --epochs, --batch-size and --cutout theirs, --tiny a few (TINY, below the banner).
+# this file; --epochs, --batch-size and --cutout set theirs, --tiny a few (TINY, below the banner).
 HYP = dict(
     epochs=10,               # Page: 94.1% mean with flip-TTA after 10 epochs (26 s on a V100)
     batch_size=512,          # Page; the last partial batch is dropped: 97 steps per epoch
@@ -53,12 +53,12 @@ HYP = dict(
     whitening_images=10000,  # Page: patch second moment from 10,000 training images ...
     whitening_eps=1e-2,      # ... each filter divided by sqrt(eigenvalue + eps)
     pad=4,                   # Page: reflect-pad by 4, then take a random 32x32 crop
-    cutout=0,                # side of a zeroed square; 0 in the 10-epoch recipe, Page used 8 later
-    augment_options=200,     # Page's loader: an epoch's crops (81 at pad 4), cutouts: 200 at most
+    cutout=0,                # side of a zeroed square: 0 in the 10-epoch recipe, 8 in longer ones
+    augment_options=200,     # Page's loader: at most 200 crop and cutout positions an epoch
     eval_batch_size=1000,    # any size gives the same results up to rounding; 1000 divides 10,000
 )
 
-# ==== 1. Preprocessing and augmentation of the uint8 images, on the device, over whole batches ==
+# ==== 1. Preprocessing and augmentation of the uint8 images, on the device, a whole epoch at once
 NUM_CLASSES = 10
 # Page's per-channel statistics of the CIFAR-10 training set, on the 0-255 scale.
 CIFAR10_MEAN = (125.31, 122.95, 113.87)
@@ -97,7 +97,7 @@ def draw_augmentation(n, hyp, generator):
 
 def crop(padded, top, left, size):
     """Image i's size x size window at (top[i], left[i]): the images grouped by offset (81 groups
-    for a pad of 4), each group cut by a slice (a per-pixel gather takes 4 times their memory)."""
+    for a pad of 4), each group cut by a slice (a per-pixel gather's index: 4 times the images)."""
     width = padded.shape[3]
     offsets = top * width + left  # each image's, as one number
     order = torch.argsort(offsets, stable=True)  # the images grouped by offset
@@ -164,7 +164,7 @@ def patch_moment(images):
 def whitening_filters(images, eps):
     """Page's first layer: fixed 3x3 conv filters that whiten the images' 27-dim patches, the
     eigenvectors of their second moment (uncentred, as Page's) over sqrt(eigenvalue + eps), largest
-    first: an identity moment, which the network would otherwise spend epochs learning."""
+    first. Whitened patches have about unit moment, which the network would take epochs to learn."""
     moment = patch_moment(images).cpu().double()  # eigenvectors in float64, on the CPU
     eigenvalues, eigenvectors = torch.linalg.eigh(moment)  # in ascending order
     eigenvalues, eigenvectors = eigenvalues.flip(0), eigenvectors.T.flip(0)
@@ -187,7 +187,7 @@ class WhitenedPrep(nn.Module):
         nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))  # nn.Conv2d's draw: fan-in 27
 
     def forward(self, x):
-        # fp32, cheap with 3 input channels: fp16 (bf16) would lose up to 2 (30) % of the gradient
+        # fp32, cheap with 3 input channels: fp16 (bf16) would lose up to 2 (30) % of the 1x1 grad
         wide = at_least_fp32(x.dtype)
         filters = self.weight.to(wide) @ self.whitening.to(wide).flatten(1)
         filters = filters.view(-1, *self.whitening.shape[1:])
@@ -196,9 +196,9 @@ class WhitenedPrep(nn.Module):
 
 class GhostBatchNorm(nn.BatchNorm2d):
     """Batch norm over splits of split_size images (noisier statistics regularise), scale frozen
-    at 1; split k of s holds images k, k+s, ... Statistics in fp32, the running ones moved by the
-    splits' mean. Eager NCHW: Page's one batch_norm, the splits a view's channels, its statistics
-    written at momentum 1 (not MPS's in half precision: pytorch#154887); else a var_mean."""
+    at 1; split k of s holds images k, k+s, ... Statistics in fp32; the running ones move by the
+    splits' mean. Eager NCHW, as in Page's code, one batch_norm of a view whose channels are the
+    splits (not MPS's in half precision: pytorch#154887); compiled, a var_mean inductor fuses."""
 
     def __init__(self, channels, split_size):
         super().__init__(channels)
@@ -359,8 +359,8 @@ def ema_tensors(model):
 
 @torch.no_grad()
 def ema_update(averages, tensors, momentum):
-    """averages <- momentum x averages + (1 - momentum) x tensors, in the averages' fp32: a 5 % step
-    is below half a unit in the last place of fp16 or bf16 for most weights."""
+    """averages <- momentum x averages + (1 - momentum) x tensors, in the averages' fp32: a 5 %
+    step (0.99^5 every 5 steps) is below half a unit in the last place of most fp16/bf16 weights."""
     torch._foreach_lerp_(averages, [t.to(a.dtype) for a, t in zip(averages, tensors)], 1 - momentum)
 
 
@@ -374,8 +374,8 @@ def summed_loss(model, images, labels, label_smoothing):
 
 class Networks:
     """Built once for every run: the network trained, its fp32 EMA that is evaluated, the optimiser,
-    the loss and flip-TTA functions (compiled in channels_last but on MPS, at fixed shapes: nothing
-    recompiles; or eager in NCHW). reinitialise() draws a run's new weights."""
+    the loss and flip-TTA functions (compiled, in channels_last except on MPS, at fixed shapes that
+    never recompile; or eager in NCHW). reinitialise() draws a run's new weights."""
 
     def __init__(self, hyp, device, dtype, compiled):
         self.device, self.dtype = device, dtype
@@ -423,10 +423,10 @@ def train_epoch(networks, images, labels, epoch, steps, hyp):
         x, y = images[i * batch:(i + 1) * batch], labels[i * batch:(i + 1) * batch]
         networks.network.zero_grad()  # to None before the forward: the last gradients are freed
         loss, logits = networks.summed_loss(networks.parallel, x, y, hyp['label_smoothing'])
-        (loss * world).backward()  # DDP averages the ranks' gradients: x world, the global sum's
+        (loss * world).backward()  # DDP averages the ranks' gradients: x world, the batch's sum
         networks.optimiser.step(lr)
         if i % hyp['ema_every'] == 0:
-            average_over_ranks(networks.batch_norm_statistics)  # the ranks' mean: one process's
+            average_over_ranks(networks.batch_norm_statistics)  # the ranks' mean, one process's
             ema_update(*networks.averaged_and_trained, hyp['ema_momentum'] ** hyp['ema_every'])
         loss_sum += loss.detach()
         correct += (logits.argmax(1) == y).sum()
@@ -460,9 +460,9 @@ def evaluate(networks, images, labels, hyp):
 
 # ==== 5. One run, timed by the DAWNBench rule ==================================================
 def train_run(data, networks, hyp, seed, on_epoch, steps_per_epoch=None, test_batches=None):
-    """Train one model from the uint8 arrays; its rows, one an epoch (networks.ema: its EMA). seed
-    fixes the weights and every augmentation draw (on the CPU: the same run on any device); the last
-    arguments cut a run short. The clock, read after a device sync, covers all but evaluating."""
+    """Train one model from the uint8 arrays: returns a row an epoch; its EMA is in networks.ema.
+    seed fixes the weights and every augmentation draw (on the CPU: the same run on any device); the
+    last two arguments cut the warm-up short. The clock, read after a sync, skips the evaluation."""
     device, generator = networks.device, torch.Generator().manual_seed(seed)
     test, test_labels = test_set(data, networks, hyp, test_batches)  # for evaluating: not timed
     start = synced_clock(device)
@@ -665,13 +665,19 @@ def compiles(args, device):
 
 
 def evaluates_in_tf32(device, dtype):
-    """On CUDA, TF32 off for training (the folded whitening's gradient would round as in fp16);
-    whether the EMA's fp32 evaluation may use it: fp16/bf16 training, a GPU of 8.0 or later."""
+    """Whether the EMA's fp32 evaluation may use TF32 (fp16's precision): CUDA 8.0+, fp16/bf16."""
+    return (device.type == 'cuda' and dtype != torch.float32
+            and torch.cuda.get_device_capability(device)[0] >= 8)
+
+
+def fp32_precision(device, dtype):
+    """On CUDA, TF32 off for training (the folded whitening's gradient would round as in fp16), on
+    for the EMA's evaluation (in_tf32); returns what the header says of it, None off CUDA."""
     if device.type != 'cuda':
-        return False  # CPUs and MPS compute fp32 as fp32
+        return None  # CPUs and MPS compute fp32 as fp32
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
     warnings.filterwarnings('ignore', message='TensorFloat32 tensor cores')  # inductor's advice
-    return dtype != torch.float32 and torch.cuda.get_device_capability(device)[0] >= 8
+    return "TF32 for the EMA's evaluation only" if evaluates_in_tf32(device, dtype) else 'TF32 off'
 
 
 def in_tf32(function):
@@ -791,13 +797,15 @@ def rank_and_world():
 
 def join_process_group(device, split_batches=True):
     """Join the ranks torchrun started: NCCL between GPUs that split batches, else gloo (CPUs, and
-    ranks of whole runs, which only gather them: an idle NCCL group would hang at the end)."""
+    ranks of whole runs, which only gather them: an idle NCCL group would hang at the end; a rank
+    waits there for a round's slowest run, on a CPU hours beyond gloo's 30-minute timeout)."""
     global SPLIT_BATCHES
     import torch.distributed.nn  # noqa: F401  now, not later: see leave_process_group
     nccl = device.type == 'cuda' and split_batches
     if device.type == 'cuda':
         torch.cuda.set_device(device)
-    dist.init_process_group('nccl' if nccl else 'gloo', device_id=device if nccl else None)
+    dist.init_process_group('nccl' if nccl else 'gloo', device_id=device if nccl else None,
+                            timeout=None if split_batches else datetime.timedelta(days=7))
     SPLIT_BATCHES = split_batches
 
 
@@ -1270,8 +1278,9 @@ def in_notebook_cell():
     return os.path.basename(sys.argv[0]).endswith('kernel_launcher.py')
 
 
-def check_options(args, hyp, world):
-    """Refuse, before any work, what cannot make a sensible run: one line, '--option value: why'."""
+def check_options(args, hyp, world, own=()):
+    """Refuse, before any work, what cannot make a sensible run: one line, '--option value: why'.
+    own: the resumed job's --log-tsv and --save, which it goes on rewriting."""
     price, peak, batch = args.gpu_price, args.peak_tflops, hyp['batch_size']
     split = world * max(hyp['bn_split_size'], 1)  # each rank takes whole splits of ghost batch norm
     ranks = f" x {world} ranks" if world > 1 else ''
@@ -1297,11 +1306,11 @@ def check_options(args, hyp, world):
                '--save': args.save}
     paths = [os.path.realpath(path) for path in outputs.values() if path]
     for flag, path in outputs.items():
-        if path is not None and (why := output_problem(flag, path, paths, args.resume)):
+        if path is not None and (why := output_problem(flag, path, paths, own)):
             raise UserError(f'{flag} {path!r}: {why}')
 
 
-def output_problem(flag, path, paths, resume):
+def output_problem(flag, path, paths, own):
     """Why a job cannot use path as flag's file (the OS's reason where it gives one), or None."""
     if not path:
         return 'an empty path (an unset shell variable?): give a file name'
@@ -1315,14 +1324,14 @@ def output_problem(flag, path, paths, resume):
         return f'cannot write in its folder {os.path.dirname(path) or "."} ({e.strerror})'
     if flag == '--resume' and not os.path.exists(path):
         return 'no such file (a new job starts with --json)'
-    if flag != '--resume' and not resume and os.path.exists(path):  # it may hold hours of runs
+    if flag != '--resume' and path not in own and os.path.exists(path):  # hours of runs, maybe
         return ('exists, and a new job overwrites no file: give another path, or ' +
                 ('--resume it if it holds this job' if flag == '--json' else 'delete it'))
     return None
 
 
 class Job:
-    """One command's runs and the files rewritten after each: main calls set_up, then train."""
+    """One command's runs and the files rewritten after each: main calls set_up, train and end."""
 
     def __init__(self, args, argv=()):
         self.argv, (self.rank, self.local_rank, self.world) = argv, torchrun_ranks()
@@ -1342,10 +1351,12 @@ class Job:
     def set_up(self):
         """All that can be refused, before any training: the options and the job file, the
         device, the data and the settings that make the job; then the runs read back."""
+        own = {}
         if self.args.resume and os.path.isfile(self.path):  # its options; those given here win
-            self.take_options(parse_args(self.argv, read_job(self.path, '--resume')['options']))
+            own = read_job(self.path, '--resume')['options']
+            self.take_options(parse_args(self.argv, own))
         args, hyp = self.args, self.hyp
-        check_options(args, hyp, self.batch_ranks)
+        check_options(args, hyp, self.batch_ranks, {own.get('log_tsv'), own.get('save')} - {None})
         if self.path and self.rank == 0:
             self.lock = hold_job_file(self.path)  # one writer: a second job on it is refused
         resumed = read_job(self.path, '--resume') if args.resume else None  # now it is ours
@@ -1356,14 +1367,12 @@ class Job:
         if self.spread:  # torchrun stops every rank (SIGTERM) when one fails: end as Ctrl-C does
             signal.signal(signal.SIGTERM, signal.default_int_handler)
         self.data = data = self.load_data()
-        tf32 = evaluates_in_tf32(device, self.dtype)  # and, on CUDA, TF32 off for training
         script = globals().get('__file__')  # none in a notebook cell
         self.context = dict(  # what the header, --resume and --compare read: the job's identity
             script_sha256=hashlib.sha256(Path(script).read_bytes()).hexdigest()[:16]
             if script and os.path.isfile(script) else 'n/a', torch=torch.__version__,
             device=device_description(device), ranks=self.batch_ranks, dtype=str(self.dtype),
-            fp32_math=(("TF32 for the EMA's evaluation only" if tf32 else 'TF32 off')
-                       if device.type == 'cuda' else None), compile=self.compiled,
+            fp32_math=fp32_precision(device, self.dtype), compile=self.compiled,
             hyperparameters=hyp, seed=args.seed, flops=count_flops(hyp, len(data['train_images'])),
             peak_tflops=peak_tflops(device, self.dtype, args.peak_tflops), data=data['provenance'],
             data_digest=data['digest'], train_images=len(data['train_images']),
@@ -1397,9 +1406,9 @@ class Job:
         return data
 
     def read_back_runs(self, job):
-        """Take the runs of the job file resumed, if it is this job's with no run beyond --runs;
-        rewrite it at once if it asked for other --runs, the TSV too (a finished job resumed as it
-        was keeps its file, summary included)."""
+        """Take the runs of the job file resumed, if it is this job's with no run beyond --runs.
+        Rewrite it at once if it asked for other --runs (a finished job resumed as it was keeps its
+        file, summary included), and --log-tsv with the runs read back."""
         if differences := job_differences(job, json_ready(self.context)):
             raise UserError(f"--resume {self.path}: that job differs from this one in "
                             f"{', '.join(differences)}, that job's -> this one's: resume it on its "
@@ -1441,8 +1450,10 @@ class Job:
                 records = [None] * self.world
                 try:
                     dist.all_gather_object(records, record)
-                except RuntimeError:  # gloo's "Connection closed by peer": a rank stopped
-                    raise KeyboardInterrupt from None  # this one stops too, its runs kept
+                except RuntimeError as error:  # gloo's "Connection closed by peer"
+                    print(f'rank {self.rank}: another rank stopped ({str(error)[:80]}...): so does '
+                          'this one, its runs kept', file=sys.stderr)
+                    raise KeyboardInterrupt from None
                 self.keep([r for r in records if r])
 
     def train_one(self, run):
