@@ -1475,9 +1475,11 @@ class Job:
         they are kept. A spread job's rank 0 prints their tables."""
         with signals_held():
             records = [r for r in records if r['run'] not in {run['run'] for run in self.runs}]
+            if not records:
+                return
             self.runs = sorted(self.runs + records, key=lambda run: run['run'])
             self.kept_at = time.perf_counter()
-            if self.rank == 0 and records:
+            if self.rank == 0:
                 self.write(saved if saved and not saved['failed'] else None)
                 for run in records if self.spread else []:
                     self.log('\n'.join(run_table_lines(run, self.args.runs)), flush=True)
