@@ -894,24 +894,25 @@ def run_table_lines(run, runs_requested, source=''):
     return lines
 
 
-def header_lines(context, world=1, spread=False):
-    """What a log says before its first row: version, device, ranks, settings, data, FLOPs."""
-    c, flops = context, context['flops']
-    device, peak = c['device'], f" | peak {c['peak_tflops']:g} TFLOP/s" if c['peak_tflops'] else ''
+def header_lines(job, world=1, spread=False):
+    """What a log says before its first row (job: Job.context): version, device, ranks, settings,
+    data, FLOPs."""
+    device, flops, peak = job['device'], job['flops'], job['peak_tflops']
+    peak = f' | peak {peak:g} TFLOP/s' if peak else ''
     if world > 1:
         share = ('each training whole runs' if spread else
-                 f"{c['hyperparameters']['batch_size'] // world} images each per step")
+                 f"{job['hyperparameters']['batch_size'] // world} images each per step")
         device += f' | {world} ranks ({dist.get_backend()}), {share}'
         peak += f' x {world}' if peak and not spread else ''
     tflop = {key: f'{value / 1e12:.4g} TFLOP' for key, value in flops.items()}
-    fp32_math = f"; {c['fp32_math']}" if c['fp32_math'] else ''
-    return [f"train_cifar10.py {c['script_sha256']} | torch {c['torch']} | {device}",
-            f"dtype {c['dtype'].replace('torch.', '')} (batch norm fp32, EMA fp32{fp32_math}) | "
-            f"seed {c['seed']} | {c['train_images']} train / {c['test_images']} test images",
-            *textwrap.wrap(', '.join(f'{k}={v}' for k, v in c['hyperparameters'].items()), 100,
+    fp32_math = f"; {job['fp32_math']}" if job['fp32_math'] else ''
+    return [f"train_cifar10.py {job['script_sha256']} | torch {job['torch']} | {device}",
+            f"dtype {job['dtype'].replace('torch.', '')} (batch norm fp32, EMA fp32{fp32_math}) | "
+            f"seed {job['seed']} | {job['train_images']} train / {job['test_images']} test images",
+            *textwrap.wrap(', '.join(f'{k}={v}' for k, v in job['hyperparameters'].items()), 100,
                            initial_indent='hyperparameters: ', subsequent_indent='    ',
                            break_long_words=False),
-            f"data: {c['data']} (files' digest {c['data_digest']})",
+            f"data: {job['data']} (files' digest {job['data_digest']})",
             f"model FLOPs: {tflop['step']} a training step x {flops['steps']} steps + "
             f"{tflop['whitening']} whitening = {tflop['run']} a run{peak}",
             'valid = flip-TTA accuracy of the EMA model; total time = preprocessing + training '
