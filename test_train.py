@@ -1100,7 +1100,8 @@ def test_unwritable_data_dir_is_refused(tmp_path, capsys):
 
 def test_device_names_on_a_machine_with_two_gpus(monkeypatch):
     """--device is read by the script, not torch.device (which makes cuda:128 cuda:-128 and cuda:255
-    cuda); a torchrun rank takes the GPU of its LOCAL_RANK."""
+    cuda); a torchrun rank takes the GPU of its LOCAL_RANK, or under --spread runs (share) the GPU
+    LOCAL_RANK % 2, so that 4 ranks share 2 GPUs; ranks that split batches need a GPU each."""
     monkeypatch.setattr(torch.cuda, 'is_available', lambda: True)
     monkeypatch.setattr(torch.cuda, 'device_count', lambda: 2)
     monkeypatch.setattr(torch.backends.mps, 'is_available', lambda: False)
@@ -1108,10 +1109,19 @@ def test_device_names_on_a_machine_with_two_gpus(monkeypatch):
                                      ('cuda', 1, 'cuda:1'), ('cuda:1', 0, 'cuda:0'), ('cpu', None, 'cpu'),
                                      ('cpu', 1, 'cpu')]:
         assert T.pick_device(name, local_rank) == torch.device(device)
+        assert T.pick_device(name, local_rank, share=True) == torch.device(device)
+    shared = [T.pick_device('auto', local_rank, share=True) for local_rank in range(5)]
+    assert shared == [torch.device('cuda', i) for i in (0, 1, 0, 1, 0)]
+    assert T.pick_device('cpu', 3, share=True) == torch.device('cpu')
     for name, local_rank in [('cuda:2', None), ('cuda:128', None), ('cuda:255', None), ('cuda:²', None),
-                             ('cuda:x', None), ('cuda', 2), ('cpu:1', None), ('mps', None), ('tpu', None)]:
+                             ('cuda:x', None), ('cpu:1', None), ('mps', None), ('tpu', None)]:
         with pytest.raises(T.UserError, match=f"--device '{name}': not a device torch trains on here"):
             T.pick_device(name, local_rank)
+    for name in ('cuda', 'auto'):
+        with pytest.raises(T.UserError) as refusal:
+            T.pick_device(name, 2)
+        assert str(refusal.value) == ('--device cuda: more ranks on this machine than its 2 GPU(s); ranks that '
+                                      'split batches take one each, --spread runs shares them')
 
 
 @pytest.mark.parametrize('device', ['cpu', 'cuda', 'mps'])

@@ -622,18 +622,24 @@ def load_cifar10(folder):
 
 
 # ==== Devices and precision ====================================================================
-def pick_device(name, local_rank=None):
-    """The training device. Under torchrun (local_rank given) each rank takes its own GPU."""
+def pick_device(name, local_rank=None, share=False):
+    """The training device. Under torchrun (local_rank given) each rank takes the GPU of its local
+    rank; ranks that share GPUs (whole runs: --spread runs) take GPU local_rank % count."""
     gpus, mps = torch.cuda.device_count(), torch.backends.mps.is_available()
     if name == 'auto':
         name = 'cuda' if torch.cuda.is_available() else 'mps' if mps else 'cpu'
     with contextlib.suppress(RuntimeError):  # torch.device('cuda:x') raises
         device = torch.device(name)  # str(): cuda:128 is cuda:-128 to it, cuda:255 cuda
-        index = local_rank if device.type == 'cuda' and local_rank is not None else device.index
+        index = device.index
+        if device.type == 'cuda' and local_rank is not None:
+            index = local_rank % gpus if share and gpus else local_rank
         usable = dict(cpu=index is None, cuda=(index or 0) < gpus,  # ranks: NCCL (cuda), gloo (cpu)
                       mps=mps and index is None and local_rank is None)
         if usable.get(device.type) and str(device) == name:
             return torch.device(device.type, index)
+        if device.type == 'cuda' and local_rank is not None and 0 < gpus <= local_rank:
+            raise UserError(f'--device {name}: more ranks on this machine than its {gpus} GPU(s); '
+                            'ranks that split batches take one each, --spread runs shares them')
     build = '' if torch.version.cuda else ' (this torch is a CPU-only build)'
     raise UserError(f"--device {name!r}: not a device torch trains on here (it sees {gpus or 'no'} "
                     f"CUDA GPU(s){build}, {'' if mps else 'no '}MPS; torchrun's ranks take cuda or "
@@ -1361,7 +1367,8 @@ class Job:
         if self.path and self.rank == 0:
             self.lock = hold_job_file(self.path)  # one writer: a second job on it is refused
         resumed = read_job(self.path, '--resume') if args.resume else None  # now it is ours
-        self.device = device = pick_device(args.device, self.local_rank if self.world > 1 else None)
+        self.device = device = pick_device(args.device, self.local_rank if self.world > 1 else None,
+                                           share=self.spread)
         self.compiled, self.dtype = compiles(args, device), pick_dtype(args.dtype, device)
         if self.world > 1:
             join_process_group(device, not self.spread)  # spread: gloo, to gather finished runs
