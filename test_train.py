@@ -827,7 +827,11 @@ def test_help_gives_examples_and_no_empty_defaults(capsys, monkeypatch):
     assert '(default: 512, --tiny 64)' in out and '(default: 0)' in out   # a written default, a default of 0
     assert 'examples:' in out and '--resume a.json' in out and '--compare a.json b.json' in out
     options = out.split('options:')[1].split('examples:')[0]
-    assert len(options.splitlines()) <= 35          # 21 options, a short line each: README's table has the rest
+    assert len(options.splitlines()) <= 45          # 21 options, a short line each: README's table has the rest
+    listed = ' '.join(options.split('--set NAME=VALUE [NAME=VALUE ...]')[1].split('\n  --tiny')[0].split())
+    assert all(f'{name}={value}' in listed.split() for name, value in [
+        ('label_smoothing', 0.2), ('channels', '64,128,256,512'), ('train_images', 50000), ('logit_scale', 0.0625)])
+    assert len(listed.split()) == len(T.HYP) + 3                  # 'hyperparameters; the defaults:', then HYP's
     monkeypatch.setattr(T, '__doc__', None)                         # python -OO strips docstrings
     assert T.main(['--help']) == 0 and '--epochs EPOCHS' in capsys.readouterr().out
 
@@ -1071,11 +1075,11 @@ def test_the_batches_folder_itself_works_as_data_dir_and_a_file_is_refused(tmp_p
 
 
 @pytest.mark.parametrize('args, message', [
-    (['--epochs', '0'], '--epochs 0: must be at least 1'),
+    (['--epochs', '0'], '--epochs 0: must be in [1, inf)'),
     (['--runs', '-1'], '--runs -1: must be at least 1'),
     (['--batch-size', '48'], '--batch-size 48: must be a positive multiple of 32'),
     (['--batch-size', '2048'], '--batch-size 2048: larger than the 1000 training images'),
-    (['--cutout', '40'], '--cutout 40: must be 0 to 32 pixels'),
+    (['--cutout', '40'], '--cutout 40: must be in [0, 32]'),
     (['--device', 'tpu'], "--device 'tpu': not a device torch trains on here"),
 
     (['--device', 'cuda'], 'sees no CUDA GPU(s)' + ('' if torch.version.cuda else ' (this torch is a CPU-only build)')),
@@ -1654,16 +1658,28 @@ def test_set_changes_any_hyperparameter_and_resume_and_compare_carry_it(finished
 
 
 @pytest.mark.parametrize('setting, status, message', [
-    ('lr_peek=2', 2, "error: argument --set: 'lr_peek=2': no such name; HYP has epochs, batch_size, lr_peak, "),
+    ('lr_peek=2', 2, "error: argument --set: 'lr_peek=2': no such hyperparameter (did you mean lr_peak?); --help"),
+    ('label_smothing=0.1', 2, "error: argument --set: 'label_smothing=0.1': no such hyperparameter (did you mean "
+                              'label_smoothing?); --help lists the options\n'),
+    ('dropout=0.1', 2, "error: argument --set: 'dropout=0.1': no such hyperparameter; --help lists the options\n"),
     ('ema_every=2.5', 2, "error: argument --set: 'ema_every=2.5': ema_every takes a value like 5; --help"),
-    ('channels=8,x,32,64', 2, "error: argument --set: 'channels=8,x,32,64': channels takes a value like (64, "),
-    ('label_smoothing', 2, "error: argument --set: 'label_smoothing': label_smoothing takes a value like 0.2"),
-    ('channels=8,16', 1, "error: --set 'channels=(8, 16)': must be 4 widths > 0\n"),   # what would crash a run
-    ('channels=(8, 0, 32, 64)', 1, "error: --set 'channels=(8, 0, 32, 64)': must be 4 widths > 0\n"),
-    ('bn_split_size=0', 1, "error: --set 'bn_split_size=0': must be positive\n"),
+    ('channels=8,x,32,64', 2, "error: argument --set: 'channels=8,x,32,64': channels takes a value like 64,128,256,"),
+    ('channels=8,16', 2, "error: argument --set: 'channels=8,16': channels takes a value like 64,128,256,512; "),
+    ('label_smoothing', 2, "error: argument --set: 'label_smoothing': no '=': --set takes NAME=VALUE, as "
+                           'label_smoothing=0.2; --help'),                                # --set label_smoothing 0.1
+    ('channels=(8, 0, 32, 64)', 1, 'error: --set channels=8,0,32,64: must be in [1, inf)\n'),   # would crash a run
+    ('bn_split_size=0', 1, 'error: --set bn_split_size=0: must be in [1, inf)\n'),
     ('bn_split_size=24', 1, "error: --batch-size 64: must be a positive multiple of 24 (ghost batch norm's"),
-    ('label_smoothing=1.5', 1, "error: --set 'label_smoothing=1.5': must be 0 to 1\n"),
-    ('pad=32', 1, "error: --set 'pad=32': must be 0 to 31\n"),
+    ('label_smoothing=1.5', 1, 'error: --set label_smoothing=1.5: must be in [0, 1]\n'),
+    ('pad=32', 1, 'error: --set pad=32: must be in [0, 31]\n'),
+    ('momentum=1.5', 1, 'error: --set momentum=1.5: must be in [0, 1)\n'),    # would not make the method's run
+    ('momentum=1', 1, 'error: --set momentum=1.0: must be in [0, 1)\n'),
+    ('lr_peak=-1', 1, 'error: --set lr_peak=-1.0: must be in (0, inf)\n'),
+    ('lr_peak=nan', 1, 'error: --set lr_peak=nan: must be in (0, inf)\n'),
+    ('weight_decay=-5e-4', 1, 'error: --set weight_decay=-0.0005: must be in [0, inf)\n'),
+    ('ema_momentum=1.01', 1, 'error: --set ema_momentum=1.01: must be in [0, 1)\n'),
+    ('whitening_eps=0', 1, 'error: --set whitening_eps=0.0: must be in (0, inf)\n'),
+    ('train_images=0', 1, 'error: --set train_images=0: must be in [1, inf)\n'),
 ])
 def test_a_set_that_names_nothing_does_not_parse_or_would_crash_is_refused_in_one_line(dataset, monkeypatch, capsys,
                                                                                      setting, status, message):
@@ -1672,6 +1688,46 @@ def test_a_set_that_names_nothing_does_not_parse_or_would_crash_is_refused_in_on
     assert T.main(['--tiny', '--data-dir', str(dataset), '--set', 'epochs=1', setting]) == status
     err = capsys.readouterr().err
     assert err.startswith(message) and err.count('\n') == 1
+
+
+def test_every_hyperparameter_has_a_range_and_its_defaults_lie_in_it():
+    """A key added to HYP without a range would go unchecked; HYP's and --tiny's values are in theirs.
+    Interval notation: a bracket holds its end, a parenthesis not; a tuple's every value."""
+    assert list(T.HYP_RANGES) == list(T.HYP)
+    for hyp in (T.HYP, {**T.HYP, **T.TINY}):
+        assert [name for name, interval in T.HYP_RANGES.items() if not T.within(hyp[name], interval)] == []
+    for value, interval, inside in [(0, '[0, 1)', True), (1, '[0, 1)', False), (1, '[0, 1]', True),
+                                    (0.0, '(0, inf)', False), (1e300, '(0, inf)', True), (math.inf, '(0, inf)', False),
+                                    (math.nan, '[0, inf)', False), ((8, 16), '[1, inf)', True),
+                                    ((8, 0, 16), '[1, inf)', False), (31, '[0, 31]', True), (32, '[0, 31]', False)]:
+        assert T.within(value, interval) == inside, (value, interval)
+
+
+@pytest.mark.parametrize('argv, status, message', [
+    (['--epochs', '3', '--set', 'epochs=2'], 1, 'error: epochs: given two values (an option and --set, or --set '
+                                                'twice): give one\n'),
+    (['--set', 'cutout=8', 'label_smoothing=0.1', 'cutout=4'], 1, 'error: cutout: given two values'),
+    (['--set', 'label_smoothing', '0.1'], 2, "error: argument --set: 'label_smoothing': no '=': --set takes "
+                                             'NAME=VALUE, as label_smoothing=0.2; --help lists the options\n'),
+])
+def test_a_setting_given_twice_or_without_its_equals_sign_is_refused_in_one_line(dataset, monkeypatch, capsys,
+                                                                                  argv, status, message):
+    """--tiny's presets are not a second value: --set over them is how they are changed (the test above)."""
+    monkeypatch.setattr(T, 'pick_dtype', lambda *args: pytest.fail('work started'))
+    assert T.main(['--tiny', '--data-dir', str(dataset), *argv]) == status
+    err = capsys.readouterr().err
+    assert err.startswith(message) and err.count('\n') == 1
+
+
+def test_train_and_test_images_set_a_size_between_tiny_and_the_whole_job(dataset, monkeypatch, capsys):
+    """The first N images of each set, a full-width network; more than the folder holds (its 1,000 training
+    images) takes them all."""
+    monkeypatch.setattr(T, 'compiled_warm_up', lambda *args: (_ for _ in ()).throw(KeyboardInterrupt))
+    for setting, images in [('train_images=640 test_images=50', '640 train / 50 test images'),
+                            ('train_images=5000', '1000 train / 200 test images')]:
+        assert T.main(['--data-dir', str(dataset), '--no-compile', '--set', *setting.split()]) == 130
+        out = capsys.readouterr().out
+        assert images in out and 'channels=(64, 128, 256, 512)' in out
 
 
 def job_with(path, accuracies, **changes):

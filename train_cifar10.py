@@ -14,7 +14,7 @@ Nesterov SGD on a piecewise-linear schedule, an EMA of the weights, flip test-ti
 Read top to bottom: the hyperparameters, the recipe in a run's order, below a banner the harness
 (the rank helpers the recipe calls do nothing in one process). README.md: the evidence, an H100's.
 """
-import argparse, bisect, codecs, contextlib, copy, datetime, hashlib, http.client, inspect, io
+import argparse, bisect, codecs, contextlib, copy, datetime, difflib, hashlib, http.client, inspect, io
 import json, math, os, pickle, platform, shutil, signal, sys, tarfile, tempfile, textwrap
 import threading, time, urllib.request, warnings
 from pathlib import Path
@@ -56,6 +56,8 @@ HYP = dict(
     cutout=0,                # side of a zeroed square: 0 in the 10-epoch recipe, 8 in longer ones
     augment_options=200,     # Page's loader: at most 200 crop and cutout positions an epoch
     eval_batch_size=1000,    # any size gives the same results up to rounding; 1000 divides 10,000
+    train_images=50000,      # the first N training images: all of CIFAR-10's, or fewer for a ...
+    test_images=10000,       # ... learning curve or a quick check; the first N test images
 )
 
 # ==== 1. Preprocessing and augmentation of the uint8 images, on the device, a whole epoch at once
@@ -1165,7 +1167,7 @@ def hold_job_file(path):
 
 def job_differences(a, b, keys=JOB_KEYS):
     """'name (in a -> in b)', values whole, for each setting in which two jobs differ (each
-    hyperparameter singly); the data's image counts override --tiny's train_images, test_images."""
+    hyperparameter singly); the data's image counts override the hyperparameters of their names."""
     def settings(job):
         hyp = job['hyperparameters'] if 'hyperparameters' in keys else {}
         return {**hyp, **{key: job[key] for key in keys if key != 'hyperparameters'}}
@@ -1227,18 +1229,43 @@ def compare_lines(path_a, path_b):
 TINY = dict(epochs=4, batch_size=64, train_images=3000, test_images=500, channels=(8, 16, 32, 64),
             ema_momentum=0.9, whitening_images=3000, eval_batch_size=250)
 HYP_OPTIONS = ('epochs', 'batch_size', 'cutout')  # their options' None keeps HYP's (TINY's) value
+# The values of each hyperparameter that can make the method's run, in interval notation ('[0, 1)':
+# from 0, up to but not 1; a tuple's every value): check_options refuses the rest before any work.
+HYP_RANGES = dict(
+    epochs='[1, inf)', batch_size='[1, inf)', lr_peak='(0, inf)', lr_floor='[0, inf)',
+    floor_epochs='[0, inf)', momentum='[0, 1)', weight_decay='[0, inf)', bias_lr_scale='(0, inf)',
+    label_smoothing='[0, 1]', ema_momentum='[0, 1)', ema_every='[1, inf)', bn_split_size='[1, inf)',
+    celu_alpha='(0, inf)', logit_scale='(0, inf)', channels='[1, inf)', whitening_images='[1, inf)',
+    whitening_eps='(0, inf)', pad='[0, 31]', cutout='[0, 32]', augment_options='[1, inf)',
+    eval_batch_size='[1, inf)', train_images='[1, inf)', test_images='[1, inf)')
+
+
+def within(value, interval):
+    """Whether value (each value of a tuple) lies in an interval such as '[0, 1)'."""
+    low, high = map(float, interval[1:-1].split(','))
+    return all((low <= v if interval[0] == '[' else low < v) and
+               (v <= high if interval[-1] == ']' else v < high) for v in np.atleast_1d(value))
+
+
+def as_typed(value):
+    """A hyperparameter's value as --set takes it: a tuple as 64,128,256,512."""
+    return ','.join(map(str, value)) if isinstance(value, tuple) else str(value)
 
 
 def hyp_setting(text):
     """--set's NAME=VALUE as (NAME, VALUE), VALUE of HYP's type (a tuple: 1,2,3 or (1, 2, 3))."""
-    name, _, value = text.partition('=')
-    kind = type(HYP.get(name))
-    try:
-        return name, tuple(map(int, value.strip('()').split(','))) if kind is tuple else kind(value)
-    except (TypeError, ValueError):  # TypeError: no such name (NoneType)
-        why = (f'{name} takes a value like {HYP[name]}' if name in HYP else
-               f"no such name; HYP has {', '.join(HYP)}")
-        raise argparse.ArgumentTypeError(f'{text!r}: {why}') from None
+    name, equals, value = text.partition('=')
+    default = HYP.get(name)
+    with contextlib.suppress(TypeError, ValueError):  # TypeError: no such name (NoneType)
+        parsed = (tuple(map(int, value.strip('()').split(','))) if isinstance(default, tuple) else
+                  type(default)(value))
+        if equals and np.shape(parsed) == np.shape(default):  # a tuple of as many values
+            return name, parsed
+    close = difflib.get_close_matches(name, HYP, 1)
+    why = ('no such hyperparameter' + (f' (did you mean {close[0]}?)' if close else '')
+           if name not in HYP else f"no '=': --set takes NAME=VALUE, as {name}={as_typed(default)}"
+           if not equals else f'{name} takes a value like {as_typed(default)}')
+    raise argparse.ArgumentTypeError(f'{text!r}: {why}')
 
 
 def parse_args(argv, defaults=None):
@@ -1263,7 +1290,8 @@ def parse_args(argv, defaults=None):
     add('--seed', type=int, default=0, help='seed of the first run (default: 0)')
     add('--cutout', type=int, help=f"side of a zeroed square (default: {HYP['cutout']}: none)")
     add('--set', nargs='+', default=[], metavar='NAME=VALUE', type=lambda t: hyp_setting(t) and t,
-        help='HYP values: label_smoothing=0.1 channels=8,16,32,64')  # kept as typed
+        help='hyperparameters; the defaults: ' +  # kept as typed
+        ' '.join(f'{name}={as_typed(value)}' for name, value in HYP.items()))
     add('--tiny', action='store_true', help='an install check: a subset, a narrow net, seconds')
     add('--json', metavar='PATH', help="write the job: every run's rows, the summary")
     add('--log-tsv', metavar='PATH', help='write a DAWNBench TSV, one block of rows per run')
@@ -1289,19 +1317,17 @@ def check_options(args, hyp, world, own=()):
     """Refuse, before any work, what cannot make a sensible run: one line, '--option value: why'.
     own: the resumed job's --log-tsv and --save, which it goes on rewriting."""
     price, peak, batch = args.gpu_price, args.peak_tflops, hyp['batch_size']
-    split = world * max(hyp['bn_split_size'], 1)  # each rank takes whole splits of ghost batch norm
+    for name, value in hyp.items():
+        if name in HYP_RANGES and not within(value, HYP_RANGES[name]):
+            typed = name in HYP_OPTIONS and getattr(args, name) is not None  # --epochs, ...
+            where = (f"--{name.replace('_', '-')} {value}" if typed else
+                     f'--set {name}={as_typed(value)}')
+            raise UserError(f'{where}: must be in {HYP_RANGES[name]}')
+    split = world * hyp['bn_split_size']  # each rank takes whole splits of ghost batch norm
     ranks = f" x {world} ranks" if world > 1 else ''
-    sets = [(name, hyp[name] > 0, 'must be positive') for name in ('bn_split_size', 'ema_every',
-            'augment_options', 'eval_batch_size', 'bias_lr_scale', 'celu_alpha')]  # else a crash
-    sets += [('pad', 0 <= hyp['pad'] < 32, 'must be 0 to 31'),
-             ('label_smoothing', 0 <= hyp['label_smoothing'] <= 1, 'must be 0 to 1'),
-             ('channels', [c > 0 for c in hyp['channels']] == [True] * 4, 'must be 4 widths > 0')]
-    checks = [*(('--set', f'{name}={hyp[name]}', ok, why) for name, ok, why in sets),
-              ('--epochs', hyp['epochs'], hyp['epochs'] >= 1, 'must be at least 1'),
-              ('--runs', args.runs, args.runs >= 1, 'must be at least 1'),
-              ('--batch-size', batch, batch > 0 and batch % split == 0, 'must be a positive '
-               f"multiple of {split} (ghost batch norm's split of {hyp['bn_split_size']}{ranks})"),
-              ('--cutout', hyp['cutout'], 0 <= hyp['cutout'] <= 32, 'must be 0 to 32 pixels'),
+    checks = [('--runs', args.runs, args.runs >= 1, 'must be at least 1'),
+              ('--batch-size', batch, batch % split == 0, 'must be a positive multiple of '
+               f"{split} (ghost batch norm's split of {hyp['bn_split_size']}{ranks})"),
               ('--gpu-price', price, price is None or price >= 0, 'must not be negative'),
               ('--peak-tflops', peak, peak is None or peak > 0, 'must be positive'),
               ('--json', args.json, args.json is None or args.resume is None,
@@ -1344,14 +1370,17 @@ class Job:
         self.argv, (self.rank, self.local_rank, self.world) = argv, torchrun_ranks()
         self.log = print if self.rank == 0 else (lambda *_, **__: None)
         self.path = args.resume or args.json  # the job file: a resumed job goes on writing its own
-        self.runs, self.read_back, self.networks, self.lock = [], 0, None, None
-        self.take_options(args)
+        self.args, self.runs, self.read_back, self.networks, self.lock = args, [], 0, None, None
 
     def take_options(self, args):
-        """The options, and the hyperparameters and ranks' roles they give."""
-        given = {k: getattr(args, k) for k in HYP_OPTIONS if getattr(args, k) is not None}
-        given.update(map(hyp_setting, args.set))  # --set wins
-        self.args, self.hyp = args, {**HYP, **(TINY if args.tiny else {}), **given}
+        """The options, and the hyperparameters and ranks' roles they give; a setting given two
+        values (--epochs 3 --set epochs=2) is refused. --tiny's are presets: an option wins."""
+        given = [(k, getattr(args, k)) for k in HYP_OPTIONS if getattr(args, k) is not None]
+        given += map(hyp_setting, args.set)
+        if twice := [name for name in HYP if [k for k, _ in given].count(name) > 1]:
+            raise UserError(f"{', '.join(twice)}: given two values (an option and --set, or --set "
+                            'twice): give one')
+        self.args, self.hyp = args, {**HYP, **(TINY if args.tiny else {}), **dict(given)}
         self.spread = args.spread == 'runs' and self.world > 1  # a rank trains whole runs
         self.batch_ranks = 1 if self.spread else self.world  # the ranks a batch is split over
 
@@ -1361,7 +1390,7 @@ class Job:
         own = {}
         if self.args.resume and os.path.isfile(self.path):  # its options; those given here win
             own = read_job(self.path, '--resume')['options']
-            self.take_options(parse_args(self.argv, own))
+        self.take_options(parse_args(self.argv, own) if own else self.args)
         args, hyp = self.args, self.hyp
         check_options(args, hyp, self.batch_ranks, {own.get('log_tsv'), own.get('save')} - {None})
         if self.path and self.rank == 0:
@@ -1405,9 +1434,8 @@ class Job:
         if self.world > 1 and self.local_rank == 0:
             dist.barrier()
         data = load_cifar10(folder)
-        if args.tiny:
-            for key in ('train_images', 'train_labels', 'test_images', 'test_labels'):
-                data[key] = data[key][:hyp[key.replace('labels', 'images')]]
+        for key in ('train_images', 'train_labels', 'test_images', 'test_labels'):
+            data[key] = data[key][:hyp[key.replace('labels', 'images')]]  # the first N
         if hyp['batch_size'] > len(data['train_images']):
             raise UserError(f"--batch-size {hyp['batch_size']}: larger than the "
                             f"{len(data['train_images'])} training images")
