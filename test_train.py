@@ -1503,7 +1503,7 @@ def no_training(monkeypatch):
 
 
 @pytest.mark.parametrize('key, value, message', [
-    ('script_sha256', '0123456789abcdef', 'script_sha256 (0123456789abcdef -> '),
+    ('script_sha256', '0123456789abcdef', None),                 # an edited script, alone
     ('hyperparameters', {'cutout': 8}, 'cutout (8 -> 0)'),
     ('dtype', 'torch.float16', 'dtype (torch.float16 -> torch.float32)'),
     ('device', 'NVIDIA H100 80GB HBM3, CUDA 12.8', 'device (NVIDIA H100 80GB HBM3, CUDA 12.8 -> CPU'),
@@ -1525,7 +1525,12 @@ def test_resume_refuses_a_different_job_and_leaves_its_file(finished_job, tmp_pa
     no_training(monkeypatch)
     assert T.main([*options, '--runs', '3', '--resume', str(path)]) == 1
     err = capsys.readouterr().err.strip()
-    assert err.startswith(f'error: --resume {path}: that job differs from this one in {message}') and '\n' not in err
+    if message is None:
+        message = (f'train_cifar10.py has changed since that job began (script_sha256 (0123456789abcdef -> '
+                   f"{hashlib.sha256(SCRIPT.read_bytes()).hexdigest()[:16]}))")
+    else:
+        message = f'that job differs from this one in {message}'
+    assert err.startswith(f'error: --resume {path}: {message}') and '\n' not in err
     assert path.read_bytes() == text
 
 
@@ -1907,8 +1912,8 @@ def test_resume_takes_the_jobs_options_from_its_file(finished_job, tmp_path, mon
     assert T.main(['--resume', str(path), '--cutout', '8']) == 1
     err = capsys.readouterr().err
     assert err.count('cutout (0 -> 8)') == 1 and 'None' not in err and path.read_bytes() == text
-    assert err.endswith("that job's -> this one's: resume it on its kind of device without an option that "
-                        'changes it, or give a new job its own --json\n')
+    assert err.endswith("that job's -> this one's: resume it with the script, kind of device and options it "
+                        'began with, or give a new job its own --json\n')
 
     def ctrl_c(*args):
         raise KeyboardInterrupt

@@ -1446,10 +1446,11 @@ class Job:
         Rewrite it at once if it asked for other --runs (a finished job resumed as it was keeps its
         file, summary included), and --log-tsv with the runs read back."""
         if differences := job_differences(job, json_ready(self.context)):
-            raise UserError(f"--resume {self.path}: that job differs from this one in "
-                            f"{', '.join(differences)}, that job's -> this one's: resume it on its "
-                            'kind of device without an option that changes it, or give a new job '
-                            'its own --json')
+            why = (f"that job differs from this one in {', '.join(differences)}, that job's -> "
+                   "this one's" if len(differences) > 1 or not differences[0].startswith('script_sha256') else
+                   f'train_cifar10.py has changed since that job began ({differences[0]})')
+            raise UserError(f'--resume {self.path}: {why}: resume it with the script, kind of '
+                            'device and options it began with, or give a new job its own --json')
         if job['runs'] and job['runs'][-1]['run'] > self.args.runs:
             raise UserError(f"--resume {self.path} holds runs up to {job['runs'][-1]['run']}, more "
                             f"than --runs {self.args.runs}: that job asked for --runs "
