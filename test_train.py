@@ -524,6 +524,25 @@ def test_reinitialised_networks_equal_a_newly_built_network():
     assert all((v == 0).all() for g in networks.optimiser.groups for v in g['velocities'])
 
 
+def test_a_module_type_added_to_the_network_is_drawn_anew_each_run(monkeypatch):
+    """A layer of a type the network did not have (a bilinear one) starts each run as a new network
+    built with the run's seed would, so runs differ in it as in every other weight."""
+    class WithBilinear(T.ResNet9):
+        def __init__(self, whitening, hyp):
+            super().__init__(whitening, hyp)
+            self.extra = torch.nn.Bilinear(4, 4, 2)
+    monkeypatch.setattr(T, 'ResNet9', WithBilinear)
+    networks, hyp = small_networks()
+    whitening = torch.randn(27, 3, 3, 3)
+    drawn = {}
+    for seed in (3, 4):
+        networks.reinitialise(whitening, seed=seed)
+        drawn[seed] = networks.network.extra.weight.clone()
+        torch.manual_seed(seed)
+        assert torch.equal(drawn[seed], WithBilinear(whitening, hyp).extra.weight)
+    assert not torch.equal(drawn[3], drawn[4])
+
+
 # ---------------------------------------------------------------------------------------------
 # Training pieces
 # ---------------------------------------------------------------------------------------------
@@ -627,12 +646,15 @@ def test_warm_up_makes_every_tensor_shape_of_a_run(dataset):
 
 
 def test_optimiser_groups_lr_and_weight_decay():
+    """Page's bias rule is the batch-norm biases': a layer added with a bias of its own (here a conv's,
+    named 'bias' too) takes the weights' rate and decay."""
     model, hyp = small_model({'batch_size': 512})
+    model.layer2[0] = torch.nn.Conv2d(8, 16, 3, padding=1, bias=True)
     weights, biases = T.optimiser(model, hyp).groups
     bn_biases = {id(m.bias) for m in model.modules() if isinstance(m, T.GhostBatchNorm)}
     assert {id(p) for p in biases['params']} == bn_biases
     convs = {id(m.weight) for m in model.modules() if isinstance(m, (T.WhitenedPrep, torch.nn.Conv2d, torch.nn.Linear))}
-    assert {id(p) for p in weights['params']} == convs            # frozen BN scales are left out
+    assert {id(p) for p in weights['params']} == convs | {id(model.layer2[0].bias)}  # frozen BN scales left out
     assert weights['lr_scale'] == pytest.approx(1 / 512) and weights['weight_decay'] == pytest.approx(0.256)
     assert biases['lr_scale'] == pytest.approx(64 / 512) and biases['weight_decay'] == pytest.approx(0.004)
 

@@ -345,10 +345,13 @@ class Nesterov:
 
 
 def optimiser(model, hyp):
-    """Page's two groups, weights and biases (bias_lr_scale); a step's lr = schedule x lr_scale."""
-    trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-    biases = [p for name, p in trainable if name.endswith('bias')]
-    weights = [p for name, p in trainable if not name.endswith('bias')]
+    """Page's two groups: the batch-norm biases (bias_lr_scale) and every other trainable weight.
+    What a run asks of it, and of another optimiser put here: reset() when a run begins (its state
+    zeroed, the weights re-drawn in place), step(lr) after each backward of the loss summed over the
+    batch, lr the schedule's value, times each group's lr_scale (1 / batch_size: a mean's rate)."""
+    norms = [m for m in model.modules() if isinstance(m, nn.BatchNorm2d)]
+    biases = [m.bias for m in norms if m.bias is not None and m.bias.requires_grad]
+    weights = [p for p in model.parameters() if p.requires_grad and id(p) not in map(id, biases)]
     b, wd, k = hyp['batch_size'], hyp['weight_decay'], hyp['bias_lr_scale']
     return Nesterov([dict(params=weights, lr_scale=1 / b, weight_decay=wd * b),
                      dict(params=biases, lr_scale=k / b, weight_decay=wd * b / k)], hyp['momentum'])
@@ -405,7 +408,7 @@ class Networks:
         and rank), and the run's whitening; the EMA starts equal."""
         torch.manual_seed(seed)
         for module in self.initial.modules():  # in construction order, as a new network draws them
-            if isinstance(module, (WhitenedPrep, nn.Conv2d, nn.Linear, nn.BatchNorm2d)):
+            if hasattr(module, 'reset_parameters'):  # every module that draws, torch's and ours
                 module.reset_parameters()
         self.initial.prep[0].whitening.copy_(whitening)
         self.network.load_state_dict(self.initial.state_dict())  # into its dtype and layout
