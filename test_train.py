@@ -1272,6 +1272,9 @@ def test_tiny_run_learns_prints_the_table_and_writes_its_files(dataset, tmp_path
     assert min(accuracies) > 0.2                                  # chance is 0.1
     assert report['summary']['acc_mean'] == pytest.approx(np.mean(accuracies))
     assert f"mean {100 * np.mean(accuracies):.2f}" in result.stdout
+    by_epoch = [np.mean([r['rows'][e]['valid_acc'] for r in report['runs']]) for e in range(T.TINY['epochs'])]
+    assert by_epoch[-1] == pytest.approx(np.mean(accuracies))
+    assert 'mean by epoch: ' + ' '.join(f'{100 * a:.2f}' for a in by_epoch) + ' %' in lines   # its course
     tsv = (out / 'r.tsv').read_text().splitlines()
     assert tsv[0] == 'epoch\thours\ttop1Accuracy' and len(tsv) == 1 + 2 * T.TINY['epochs']
     last = report['runs'][1]['rows'][-1]
@@ -1784,15 +1787,25 @@ def test_compare_by_hand(finished_job, tmp_path, capsys):
     assert capsys.readouterr().out.splitlines() == [
         f'A  {a}: 3 runs, final accuracy (flip-TTA, EMA) mean 94.00 %, standard deviation 1.00 %',
         f'B  {b}: 3 runs (1 failed, left out), final accuracy (flip-TTA, EMA) mean 96.00 %, standard deviation 1.00 %',
+        'mean by epoch:',
+        '       epoch A valid acc B valid acc',
+        '           1      0.9400      0.9600',                 # the finished runs' (one epoch each)
         'B differs from A in: cutout (0 -> 8)',
         'B - A: +2.000 points, 95 % confidence interval [-0.267, +4.267] (Welch, 4.0 degrees of freedom), '
         'p = 0.07 (two-sided)',
         'the interval holds 0: no difference shown at the 5 % level',
+        # se sqrt(2e-4 / 3) = 0.8165 points x (t_0.975,4 + t_0.8,4 = 2.7764 + 0.9410, the tables) = 3.0353
+        'these runs would find a true difference of 3.035 points or more 80 % of the time at the 5 % level',
         '6 runs a side would find a true difference of 2.000 points 80 % of the time at the 5 % level']
-    write_job(b, job_with(source, [0.98, 0.99, 0.97]))  # +4 points: shown, p = 0.008
+    b_job = job_with(source, [0.98, 0.99, 0.97])  # +4 points: shown, p = 0.008
+    for run in b_job['runs']:                     # and of 2 epochs, the first at 0.5, 0.6, 0.7
+        run['rows'] = [{**run['rows'][0], 'epoch': 1, 'valid_acc': run['run'] / 10 + 0.4},
+                       {**run['rows'][0], 'epoch': 2}]
+    write_job(b, b_job)
     assert T.main(['--compare', str(a), str(b)]) == 0
     out = capsys.readouterr().out
     assert 'B differs from A in: nothing it records' in out and 'B is higher than A at the 5 % level' in out
+    assert '           1      0.9400      0.6000\n           2                  0.9800\n' in out
     write_job(b, job_with(source, [0.93 + 1e-7, 0.94 + 1e-7, 0.95 + 1e-7]))
     assert T.main(['--compare', str(a), str(b)]) == 0
     assert 'the interval holds 0' in (out := capsys.readouterr().out) and 'more than 100,000 runs a side' in out

@@ -955,6 +955,12 @@ def summarize(runs, gpu_price=None, count_94=True, flops=None, peak=None, world=
     return summary  # numpy's floats are Python floats, to json too
 
 
+def epoch_means(runs):
+    """The finished runs' mean valid accuracy at each epoch."""
+    rows = [[row['valid_acc'] for row in run['rows']] for run in runs if not run['failed']]
+    return np.mean(rows, axis=0).tolist() if rows else []
+
+
 def summary_lines(summary):
     """The log's last lines: the runs, their accuracy and time, the job's pace, cost and FLOPs."""
     def percent(*keys):
@@ -977,9 +983,12 @@ def summary_lines(summary):
             f'too few runs ({finished}) for one: it would reach beyond 0-100 %'))
     reached = (f";  runs >= 94%: {summary['reached_94']} of {finished}"
                if 'reached_94' in summary else '')
-    lines += [f"min / median / max: {percent('acc_min', 'acc_median', 'acc_max')} %{reached}",
-              'time per run: mean {time_mean_s:.2f} s, median {time_median_s:.2f} s, max '
-              '{time_max_s:.2f} s'.format(**summary)]
+    lines.append(f"min / median / max: {percent('acc_min', 'acc_median', 'acc_max')} %{reached}")
+    if summary.get('acc_by_epoch'):  # the course of training
+        lines += textwrap.wrap('mean by epoch: ' + ' '.join(
+            f'{100 * acc:.2f}' for acc in summary['acc_by_epoch']) + ' %', 100)
+    lines.append('time per run: mean {time_mean_s:.2f} s, median {time_median_s:.2f} s, max '
+                 '{time_max_s:.2f} s'.format(**summary))
     if 'runs_per_hour' in summary:
         ranks = f" over {summary['ranks']} ranks" if summary['ranks'] > 1 else ''
         lines.append(f"job: {ran} run{'s' * (ran != 1)} in {summary['wall_s']:.1f} s of wall time "
@@ -1083,13 +1092,19 @@ def welch(a, b):
                 p=2 * t_cdf(-abs(diff) / se, df))
 
 
+def detectable_difference(se, df, power=0.8):
+    """The smallest true difference that Welch's test at the 5 % level finds with this power, from
+    runs whose difference has this standard error and degrees of freedom (the shifted-t
+    approximation of the noncentral t: power = P(T_df <= difference / se - t_0.975,df))."""
+    return se * (t_quantile(0.975, df) + t_quantile(power, df))
+
+
 def runs_for_power(diff, std_a, std_b, power=0.8, most=100_000):
-    """Runs a side for Welch's test at the 5 % level to find a true difference diff with this power
-    (the shifted-t approximation of the noncentral t); None if more than `most`."""
+    """Runs a side for Welch's test at the 5 % level to find a true difference diff with this
+    power; None if more than `most`."""
     def enough(n):
         df = (n - 1) * (std_a ** 2 + std_b ** 2) ** 2 / (std_a ** 4 + std_b ** 4)
-        se = math.sqrt((std_a ** 2 + std_b ** 2) / n)
-        return t_cdf(abs(diff) / se - t_quantile(0.975, df), df) >= power
+        return detectable_difference(math.sqrt((std_a ** 2 + std_b ** 2) / n), df, power) <= abs(diff)
 
     fewest = bisect.bisect_left(range(2, most + 1), True, key=enough) + 2  # power grows with n
     return fewest if fewest <= most else None
@@ -1206,6 +1221,10 @@ def compare_lines(path_a, path_b):
         lines.append(f'{side}  {path}: {len(acc[side])} runs{notes}, final accuracy (flip-TTA, '
                      f'EMA) mean {100 * acc[side].mean():.2f} %, standard deviation '
                      f'{100 * acc[side].std(ddof=1):.2f} %')
+    means = [epoch_means(job['runs']) for job in (a, b)]  # the course of training, side by side
+    lines += ['mean by epoch:', table_line(('epoch', 'A valid acc', 'B valid acc'))]
+    lines += [table_line([epoch + 1, *(m[epoch] if epoch < len(m) else '' for m in means)])
+              for epoch in range(max(map(len, means)))]
     differences = job_differences(a, b, [k for k in JOB_KEYS if k != 'seed'])
     lines.append('B differs from A in: ' + (', '.join(differences) or 'nothing it records'))
     w = welch(acc['A'], acc['B'])
@@ -1217,12 +1236,15 @@ def compare_lines(path_a, path_b):
                  f"(Welch, {w['df']:.1f} degrees of freedom), p = {w['p']:.2g} (two-sided)")
     verdict = ('the interval holds 0: no difference shown at the 5 % level' if low <= 0 <= high else
                f"B is {'higher' if w['diff'] > 0 else 'lower'} than A at the 5 % level")
+    smallest = detectable_difference(w['se'], w['df'])  # what these runs can resolve
+    resolves = (f'these runs would find a true difference of {100 * smallest:.3f} points or more '
+                '80 % of the time at the 5 % level')
     n = runs_for_power(w['diff'], acc['A'].std(ddof=1), acc['B'].std(ddof=1))
     need = ('the means are equal: there is no difference to resolve' if w['diff'] == 0 else
             (f'{n} runs a side' if n else 'more than 100,000 runs a side') +
             f" would find a true difference of {100 * abs(w['diff']):.3f} points 80 % of the time "
             'at the 5 % level')
-    return lines + [verdict, need]
+    return lines + [verdict, resolves, need]
 
 
 # ==== The command line, and main ===============================================================
@@ -1559,6 +1581,7 @@ class Job:
         args, trained = self.args, len(self.runs) - self.read_back
         summary = summarize(self.runs, args.gpu_price, not args.tiny, self.context['flops']['run'],
                             self.context['peak_tflops'], self.batch_ranks)
+        summary['acc_by_epoch'] = epoch_means(self.runs)
         if args.resume:
             summary.update(read_back=self.read_back, resumed_from=args.resume)
         if trained:
