@@ -853,7 +853,7 @@ def test_help_gives_examples_and_no_empty_defaults(capsys, monkeypatch):
     listed = ' '.join(options.split('--set NAME=VALUE [NAME=VALUE ...]')[1].split('\n  --tiny')[0].split())
     assert all(f'{name}={value}' in listed.split() for name, value in [
         ('label_smoothing', 0.2), ('channels', '64,128,256,512'), ('train_images', 50000), ('logit_scale', 0.0625)])
-    assert len(listed.split()) == len(T.HYP) + 3                  # 'hyperparameters; the defaults:', then HYP's
+    assert len(listed.split()) == len(T.HYP) + 6          # "hyperparameters; the defaults (--tiny's: TINY) are"
     monkeypatch.setattr(T, '__doc__', None)                         # python -OO strips docstrings
     assert T.main(['--help']) == 0 and '--epochs EPOCHS' in capsys.readouterr().out
 
@@ -1146,7 +1146,7 @@ def test_device_names_on_a_machine_with_two_gpus(monkeypatch):
     for name in ('cuda', 'auto'):
         with pytest.raises(T.UserError) as refusal:
             T.pick_device(name, 2)
-        assert str(refusal.value) == ('--device cuda: more ranks on this machine than its 2 GPU(s); ranks that '
+        assert str(refusal.value) == (f'--device {name}: more ranks on this machine than its 2 GPU(s); ranks that '
                                       'split batches take one each, --spread runs shares them')
 
 
@@ -1551,8 +1551,8 @@ def test_resume_refuses_a_different_job_and_leaves_its_file(finished_job, tmp_pa
     assert T.main([*options, '--runs', '3', '--resume', str(path)]) == 1
     err = capsys.readouterr().err.strip()
     if message is None:
-        message = (f'train_cifar10.py has changed since that job began (script_sha256 (0123456789abcdef -> '
-                   f"{hashlib.sha256(SCRIPT.read_bytes()).hexdigest()[:16]}))")
+        message = ('the script has changed since that job began (sha256 0123456789abcdef -> '
+                   f'{hashlib.sha256(SCRIPT.read_bytes()).hexdigest()[:16]}): resume it with the script')
     else:
         message = f'that job differs from this one in {message}'
     assert err.startswith(f'error: --resume {path}: {message}') and '\n' not in err
@@ -1678,10 +1678,14 @@ def test_set_changes_any_hyperparameter_and_resume_and_compare_carry_it(finished
     assert state['layer3.0.0.weight'].shape == (32, 32, 3, 3) and state['head.weight'].shape == (10, 32)
     default = T.read_job(source, '--json')['runs'][0]['rows'][0]
     assert job['runs'][0]['rows'][0]['train_loss'] != pytest.approx(default['train_loss'], rel=1e-3)
-    assert T.main(['--resume', str(path), '--set', 'label_smoothing=0.2']) == 1
-    assert 'differs from this one in label_smoothing (0.1 -> 0.2)' in capsys.readouterr().err
-    assert T.main(['--resume', str(path), '--runs', '2']) == 0       # the file's options: its --set too
-    assert [run['run'] for run in T.read_job(path, '--json')['runs']] == [1, 2]
+    assert T.main(['--resume', str(path), '--set', 'label_smoothing=0.2']) == 1     # by name: channels kept
+    assert "differs from this one in label_smoothing (0.1 -> 0.2), that job's" in capsys.readouterr().err
+    # the file's options, its --set too; a value given here by name (--epochs 1 as --set) is the same job
+    assert T.main(['--resume', str(path), '--runs', '2', '--set', 'epochs=1', '--set', 'channels=8,16,32,32']) == 0
+    job = T.read_job(path, '--json')
+    assert [run['run'] for run in job['runs']] == [1, 2] and job['options']['epochs'] is None
+    assert job['options']['set'] == ['label_smoothing=0.1', 'epochs=1', 'channels=8,16,32,32']
+    assert T.main(['--resume', str(path), '--epochs', '1']) == 0      # and back: once a value, not two
     assert T.main(['--compare', str(source), str(path)]) == 0
     assert ('B differs from A in: label_smoothing (0.2 -> 0.1), channels ([8, 16, 32, 64] -> [8, 16, 32, 32])'
             in capsys.readouterr().out)
@@ -1700,7 +1704,8 @@ def test_set_changes_any_hyperparameter_and_resume_and_compare_carry_it(finished
     ('channels=(8, 0, 32, 64)', 1, 'error: --set channels=8,0,32,64: must be in [1, inf)\n'),   # would crash a run
     ('bn_split_size=0', 1, 'error: --set bn_split_size=0: must be in [1, inf)\n'),
     ('bn_split_size=24', 1, "error: --batch-size 64: must be a positive multiple of 24 (ghost batch norm's"),
-    ('label_smoothing=1.5', 1, 'error: --set label_smoothing=1.5: must be in [0, 1]\n'),
+    ('label_smoothing=1.5', 1, 'error: --set label_smoothing=1.5: must be in [0, 1)\n'),
+    ('label_smoothing=1', 1, 'error: --set label_smoothing=1.0: must be in [0, 1)\n'),   # uniform targets: no signal
     ('pad=32', 1, 'error: --set pad=32: must be in [0, 31]\n'),
     ('momentum=1.5', 1, 'error: --set momentum=1.5: must be in [0, 1)\n'),    # would not make the method's run
     ('momentum=1', 1, 'error: --set momentum=1.0: must be in [0, 1)\n'),
@@ -1711,13 +1716,22 @@ def test_set_changes_any_hyperparameter_and_resume_and_compare_carry_it(finished
     ('whitening_eps=0', 1, 'error: --set whitening_eps=0.0: must be in (0, inf)\n'),
     ('train_images=0', 1, 'error: --set train_images=0: must be in [1, inf)\n'),
 ])
-def test_a_set_that_names_nothing_does_not_parse_or_would_crash_is_refused_in_one_line(dataset, monkeypatch, capsys,
-                                                                                     setting, status, message):
-    """As a mistyped option is (status 2), or a value that cannot make a run (status 1), before any work."""
+def test_a_set_that_names_nothing_does_not_parse_or_cannot_make_the_run_is_refused_in_one_line(
+        dataset, monkeypatch, capsys, setting, status, message):
+    """As a mistyped option is (status 2), or a value that cannot make the method's run (status 1), before
+    any work."""
     monkeypatch.setattr(T, 'pick_dtype', lambda *args: pytest.fail('work started'))
     assert T.main(['--tiny', '--data-dir', str(dataset), '--set', 'epochs=1', setting]) == status
     err = capsys.readouterr().err
     assert err.startswith(message) and err.count('\n') == 1
+
+
+def test_set_reads_a_value_as_its_hyperparameters_type():
+    assert T.hyp_setting('bias_lr_scale=0.5') == ('bias_lr_scale', 0.5)        # a rate, though Page's is 64
+    assert T.hyp_setting('epochs=3') == ('epochs', 3) and isinstance(T.hyp_setting('epochs=3')[1], int)
+    assert T.hyp_setting('channels=(8, 16, 32, 64)') == T.hyp_setting('channels=8,16,32,64') == ('channels', (8, 16, 32, 64))
+    with pytest.raises(Exception, match="'LR_PEAK=2': no such hyperparameter \\(did you mean lr_peak\\?\\)$"):
+        T.hyp_setting('LR_PEAK=2')
 
 
 def test_every_hyperparameter_has_a_range_and_its_defaults_lie_in_it():
@@ -1734,9 +1748,9 @@ def test_every_hyperparameter_has_a_range_and_its_defaults_lie_in_it():
 
 
 @pytest.mark.parametrize('argv, status, message', [
-    (['--epochs', '3', '--set', 'epochs=2'], 1, 'error: epochs: given two values (an option and --set, or --set '
-                                                'twice): give one\n'),
+    (['--epochs', '3', '--set', 'epochs=2'], 1, 'error: epochs: given two values (an option and --set, or twice)\n'),
     (['--set', 'cutout=8', 'label_smoothing=0.1', 'cutout=4'], 1, 'error: cutout: given two values'),
+    (['--set', 'cutout=8', '--set', 'cutout=4'], 1, 'error: cutout: given two values'),
     (['--set', 'label_smoothing', '0.1'], 2, "error: argument --set: 'label_smoothing': no '=': --set takes "
                                              'NAME=VALUE, as label_smoothing=0.2; --help lists the options\n'),
 ])
@@ -1753,7 +1767,7 @@ def test_train_and_test_images_set_a_size_between_tiny_and_the_whole_job(dataset
     """The first N images of each set, a full-width network; more than the folder holds (its 1,000 training
     images) takes them all."""
     monkeypatch.setattr(T, 'compiled_warm_up', lambda *args: (_ for _ in ()).throw(KeyboardInterrupt))
-    for setting, images in [('train_images=640 test_images=50', '640 train / 50 test images'),
+    for setting, images in [('train_images=640 --set test_images=50', '640 train / 50 test images'),
                             ('train_images=5000', '1000 train / 200 test images')]:
         assert T.main(['--data-dir', str(dataset), '--no-compile', '--set', *setting.split()]) == 130
         out = capsys.readouterr().out

@@ -42,7 +42,7 @@ HYP = dict(
     floor_epochs=2,          # Page: the last 2 epochs at the floor, where the EMA averages most
     momentum=0.9,            # Page: Nesterov momentum
     weight_decay=5e-4,       # Page; times batch_size per step, see above
-    bias_lr_scale=64,        # Page: batch-norm biases take lr x 64 and weight decay / 64
+    bias_lr_scale=64.0,      # Page: batch-norm biases take lr x 64 and weight decay / 64
     label_smoothing=0.2,     # Page
     ema_momentum=0.99,       # Page: EMA of weights and BN statistics, per step ...
     ema_every=5,             # ... applied every 5 steps as momentum**5, to save launches
@@ -630,7 +630,7 @@ def load_cifar10(folder):
 def pick_device(name, local_rank=None, share=False):
     """The training device. Under torchrun (local_rank given) each rank takes the GPU of its local
     rank; ranks that share GPUs (whole runs: --spread runs) take GPU local_rank % count."""
-    gpus, mps = torch.cuda.device_count(), torch.backends.mps.is_available()
+    gpus, mps, given = torch.cuda.device_count(), torch.backends.mps.is_available(), name
     if name == 'auto':
         name = 'cuda' if torch.cuda.is_available() else 'mps' if mps else 'cpu'
     with contextlib.suppress(RuntimeError):  # torch.device('cuda:x') raises
@@ -643,7 +643,7 @@ def pick_device(name, local_rank=None, share=False):
         if usable.get(device.type) and str(device) == name:
             return torch.device(device.type, index)
         if device.type == 'cuda' and local_rank is not None and 0 < gpus <= local_rank:
-            raise UserError(f'--device {name}: more ranks on this machine than its {gpus} GPU(s); '
+            raise UserError(f'--device {given}: more ranks on this machine than its {gpus} GPU(s); '
                             'ranks that split batches take one each, --spread runs shares them')
     build = '' if torch.version.cuda else ' (this torch is a CPU-only build)'
     raise UserError(f"--device {name!r}: not a device torch trains on here (it sees {gpus or 'no'} "
@@ -1254,12 +1254,11 @@ def compare_lines(path_a, path_b):
 TINY = dict(epochs=4, batch_size=64, train_images=3000, test_images=500, channels=(8, 16, 32, 64),
             ema_momentum=0.9, whitening_images=3000, eval_batch_size=250)
 HYP_OPTIONS = ('epochs', 'batch_size', 'cutout')  # their options' None keeps HYP's (TINY's) value
-# The values of each hyperparameter that can make the method's run, in interval notation ('[0, 1)':
-# from 0, up to but not 1; a tuple's every value): check_options refuses the rest before any work.
+# What can make the method's run, in interval notation ('[0, 1)': 0 up to, not 1; a tuple: each).
 HYP_RANGES = dict(
     epochs='[1, inf)', batch_size='[1, inf)', lr_peak='(0, inf)', lr_floor='[0, inf)',
     floor_epochs='[0, inf)', momentum='[0, 1)', weight_decay='[0, inf)', bias_lr_scale='(0, inf)',
-    label_smoothing='[0, 1]', ema_momentum='[0, 1)', ema_every='[1, inf)', bn_split_size='[1, inf)',
+    label_smoothing='[0, 1)', ema_momentum='[0, 1)', ema_every='[1, inf)', bn_split_size='[1, inf)',
     celu_alpha='(0, inf)', logit_scale='(0, inf)', channels='[1, inf)', whitening_images='[1, inf)',
     whitening_eps='(0, inf)', pad='[0, 31]', cutout='[0, 32]', augment_options='[1, inf)',
     eval_batch_size='[1, inf)', train_images='[1, inf)', test_images='[1, inf)')
@@ -1282,14 +1281,17 @@ def hyp_setting(text):
     name, equals, value = text.partition('=')
     default = HYP.get(name)
     with contextlib.suppress(TypeError, ValueError):  # TypeError: no such name (NoneType)
-        parsed = (tuple(map(int, value.strip('()').split(','))) if isinstance(default, tuple) else
-                  type(default)(value))
+        parsed = (tuple(map(type(default[0]), value.strip('()').split(','))) if
+                  isinstance(default, tuple) else type(default)(value))
         if equals and np.shape(parsed) == np.shape(default):  # a tuple of as many values
             return name, parsed
-    close = difflib.get_close_matches(name, HYP, 1)
-    why = ('no such hyperparameter' + (f' (did you mean {close[0]}?)' if close else '')
-           if name not in HYP else f"no '=': --set takes NAME=VALUE, as {name}={as_typed(default)}"
-           if not equals else f'{name} takes a value like {as_typed(default)}')
+    if name not in HYP:
+        close = difflib.get_close_matches(name.lower(), HYP, 1)
+        why = 'no such hyperparameter' + (f' (did you mean {close[0]}?)' if close else '')
+    elif not equals:  # --set label_smoothing 0.1
+        why = f"no '=': --set takes NAME=VALUE, as {name}={as_typed(default)}"
+    else:
+        why = f'{name} takes a value like {as_typed(default)}'
     raise argparse.ArgumentTypeError(f'{text!r}: {why}')
 
 
@@ -1314,8 +1316,9 @@ def parse_args(argv, defaults=None):
         help='auto: fp16 on cuda, else fp32')
     add('--seed', type=int, default=0, help='seed of the first run (default: 0)')
     add('--cutout', type=int, help=f"side of a zeroed square (default: {HYP['cutout']}: none)")
-    add('--set', nargs='+', default=[], metavar='NAME=VALUE', type=lambda t: hyp_setting(t) and t,
-        help='hyperparameters; the defaults: ' +  # kept as typed
+    add('--set', nargs='+', action='extend', default=[], metavar='NAME=VALUE',
+        type=lambda t: hyp_setting(t) and t,
+        help="hyperparameters; the defaults (--tiny's: TINY) are " +  # kept as typed
         ' '.join(f'{name}={as_typed(value)}' for name, value in HYP.items()))
     add('--tiny', action='store_true', help='an install check: a subset, a narrow net, seconds')
     add('--json', metavar='PATH', help="write the job: every run's rows, the summary")
@@ -1397,15 +1400,19 @@ class Job:
         self.path = args.resume or args.json  # the job file: a resumed job goes on writing its own
         self.args, self.runs, self.read_back, self.networks, self.lock = args, [], 0, None, None
 
-    def take_options(self, args):
-        """The options, and the hyperparameters and ranks' roles they give; a setting given two
-        values (--epochs 3 --set epochs=2) is refused. --tiny's are presets: an option wins."""
-        given = [(k, getattr(args, k)) for k in HYP_OPTIONS if getattr(args, k) is not None]
-        given += map(hyp_setting, args.set)
-        if twice := [name for name in HYP if [k for k, _ in given].count(name) > 1]:
-            raise UserError(f"{', '.join(twice)}: given two values (an option and --set, or --set "
-                            'twice): give one')
-        self.args, self.hyp = args, {**HYP, **(TINY if args.tiny else {}), **dict(given)}
+    def take_options(self, own):
+        """The options (a resumed job's: its file's, own, under those given here, by name), the
+        hyperparameters, the ranks' roles. Two values given here for one are refused."""
+        def given(args):  # the hyperparameters that options give, as (name, value)
+            return [(k, getattr(args, k)) for k in HYP_OPTIONS if getattr(args, k) is not None
+                    ] + list(map(hyp_setting, args.set))
+        names = [name for name, _ in given(self.args)]
+        if twice := sorted({name for name in names if names.count(name) > 1}):
+            raise UserError(f"{', '.join(twice)}: given two values (an option and --set, or twice)")
+        own = {**own, **{k: None for k in HYP_OPTIONS if k in names},  # less what is given here
+               'set': [t for t in own.get('set', []) if t.partition('=')[0] not in names]}
+        self.args = args = parse_args(self.argv, own)  # what is given here, over the file's
+        self.hyp = {**HYP, **(TINY if args.tiny else {}), **dict(given(args))}
         self.spread = args.spread == 'runs' and self.world > 1  # a rank trains whole runs
         self.batch_ranks = 1 if self.spread else self.world  # the ranks a batch is split over
 
@@ -1415,7 +1422,7 @@ class Job:
         own = {}
         if self.args.resume and os.path.isfile(self.path):  # its options; those given here win
             own = read_job(self.path, '--resume')['options']
-        self.take_options(parse_args(self.argv, own) if own else self.args)
+        self.take_options(own)
         args, hyp = self.args, self.hyp
         check_options(args, hyp, self.batch_ranks, {own.get('log_tsv'), own.get('save')} - {None})
         if self.path and self.rank == 0:
@@ -1471,9 +1478,10 @@ class Job:
         Rewrite it at once if it asked for other --runs (a finished job resumed as it was keeps its
         file, summary included), and --log-tsv with the runs read back."""
         if differences := job_differences(job, json_ready(self.context)):
+            sha256s = job['script_sha256'], self.context['script_sha256']
             why = (f"that job differs from this one in {', '.join(differences)}, that job's -> "
-                   "this one's" if len(differences) > 1 or not differences[0].startswith('script_sha256') else
-                   f'train_cifar10.py has changed since that job began ({differences[0]})')
+                   "this one's" if len(differences) > 1 or sha256s[0] == sha256s[1] else
+                   'the script has changed since that job began (sha256 {} -> {})'.format(*sha256s))
             raise UserError(f'--resume {self.path}: {why}: resume it with the script, kind of '
                             'device and options it began with, or give a new job its own --json')
         if job['runs'] and job['runs'][-1]['run'] > self.args.runs:
