@@ -525,22 +525,25 @@ def test_reinitialised_networks_equal_a_newly_built_network():
 
 
 def test_a_module_type_added_to_the_network_is_drawn_anew_each_run(monkeypatch):
-    """A layer of a type the network did not have (a bilinear one) starts each run as a new network
-    built with the run's seed would, so runs differ in it as in every other weight."""
-    class WithBilinear(T.ResNet9):
+    """Layers of types the network did not have, one whose draw is not reset_parameters (attention's
+    _reset_parameters) and a bare parameter drawn in __init__, start each run as a new network built
+    with the run's seed would, so runs differ in them as in every other weight."""
+    class Extended(T.ResNet9):
         def __init__(self, whitening, hyp):
             super().__init__(whitening, hyp)
-            self.extra = torch.nn.Bilinear(4, 4, 2)
-    monkeypatch.setattr(T, 'ResNet9', WithBilinear)
+            self.attention = torch.nn.MultiheadAttention(4, 2)
+            self.scale = torch.nn.Parameter(torch.randn(3))
+    monkeypatch.setattr(T, 'ResNet9', Extended)
     networks, hyp = small_networks()
     whitening = torch.randn(27, 3, 3, 3)
     drawn = {}
     for seed in (3, 4):
         networks.reinitialise(whitening, seed=seed)
-        drawn[seed] = networks.network.extra.weight.clone()
+        drawn[seed] = [networks.network.attention.in_proj_weight.clone(), networks.network.scale.clone()]
         torch.manual_seed(seed)
-        assert torch.equal(drawn[seed], WithBilinear(whitening, hyp).extra.weight)
-    assert not torch.equal(drawn[3], drawn[4])
+        fresh = Extended(whitening, hyp)
+        assert all(map(torch.equal, drawn[seed], [fresh.attention.in_proj_weight, fresh.scale]))
+    assert not any(map(torch.equal, drawn[3], drawn[4]))
 
 
 # ---------------------------------------------------------------------------------------------

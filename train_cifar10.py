@@ -383,16 +383,15 @@ class Networks:
     never recompile; or eager in NCHW). reinitialise() draws a run's new weights."""
 
     def __init__(self, hyp, device, dtype, compiled):
-        self.device, self.dtype = device, dtype
+        self.hyp, self.device, self.dtype = hyp, device, dtype
         self.memory_format = layout = (torch.channels_last if compiled and device.type != 'mps' else
                                        torch.contiguous_format)
-        # on the CPU, drawing each run's weights; each run puts its own whitening in place of zeros
-        self.initial = ResNet9(torch.zeros(27, 3, 3, 3), hyp)
-        self.network = to_training_precision(copy.deepcopy(self.initial), dtype)
+        initial = ResNet9(torch.zeros(27, 3, 3, 3), hyp)  # a run draws its weights and whitening
+        self.network = to_training_precision(copy.deepcopy(initial), dtype)
         self.network.to(device, memory_format=layout)
         self.parallel = data_parallel(self.network, device)  # a step calls it: DDP's, in torchrun
         self.ema_dtype = at_least_fp32(dtype)  # the EMA is kept, and evaluated, in fp32
-        self.ema = copy.deepcopy(self.initial).to(device, self.ema_dtype, memory_format=layout)
+        self.ema = initial.to(device, self.ema_dtype, memory_format=layout)
         self.ema.eval().requires_grad_(False)
         self.averaged_and_trained = ema_tensors(self.ema), ema_tensors(self.network)  # listed once
         norms = [m for m in self.network.modules() if isinstance(m, nn.BatchNorm2d)]
@@ -404,15 +403,12 @@ class Networks:
 
     @torch.no_grad()
     def reinitialise(self, whitening, seed):
-        """The weights a new ResNet9 would draw with this seed (on the CPU: the same on every device
-        and rank), and the run's whitening; the EMA starts equal."""
+        """The weights a new ResNet9 draws with this seed, on the CPU (the same on every device and
+        rank), whatever its modules, and the run's whitening; the EMA starts equal."""
         torch.manual_seed(seed)
-        for module in self.initial.modules():  # in construction order, as a new network draws them
-            if hasattr(module, 'reset_parameters'):  # every module that draws, torch's and ours
-                module.reset_parameters()
-        self.initial.prep[0].whitening.copy_(whitening)
-        self.network.load_state_dict(self.initial.state_dict())  # into its dtype and layout
-        self.ema.load_state_dict(self.initial.state_dict())
+        initial = ResNet9(whitening.cpu(), self.hyp).state_dict()
+        self.network.load_state_dict(initial)  # into its dtype and layout
+        self.ema.load_state_dict(initial)
         self.optimiser.reset()
 
 
@@ -984,9 +980,8 @@ def summary_lines(summary):
     reached = (f";  runs >= 94%: {summary['reached_94']} of {finished}"
                if 'reached_94' in summary else '')
     lines.append(f"min / median / max: {percent('acc_min', 'acc_median', 'acc_max')} %{reached}")
-    if summary.get('acc_by_epoch'):  # the course of training
-        lines += textwrap.wrap('mean by epoch: ' + ' '.join(
-            f'{100 * acc:.2f}' for acc in summary['acc_by_epoch']) + ' %', 100)
+    by_epoch = ' '.join(f'{100 * acc:.2f}' for acc in summary.get('acc_by_epoch', []))
+    lines += textwrap.wrap(f'mean by epoch: {by_epoch} %', 100) if by_epoch else []  # the course
     lines.append('time per run: mean {time_mean_s:.2f} s, median {time_median_s:.2f} s, max '
                  '{time_max_s:.2f} s'.format(**summary))
     if 'runs_per_hour' in summary:
