@@ -1804,9 +1804,9 @@ def test_compare_by_hand(finished_job, tmp_path, capsys):
     assert capsys.readouterr().out.splitlines() == [
         f'A  {a}: 3 runs, final accuracy (flip-TTA, EMA) mean 94.00 %, standard deviation 1.00 %',
         f'B  {b}: 3 runs (1 failed, left out), final accuracy (flip-TTA, EMA) mean 96.00 %, standard deviation 1.00 %',
-        'mean by epoch:',
-        '       epoch A valid acc B valid acc',
-        '           1      0.9400      0.9600',                 # the finished runs' (one epoch each)
+        'mean valid accuracy by epoch, %:',
+        '       epoch           A           B',
+        '           1       94.00       96.00',                 # the finished runs' (one epoch each)
         'B differs from A in: cutout (0 -> 8)',
         'B - A: +2.000 points, 95 % confidence interval [-0.267, +4.267] (Welch, 4.0 degrees of freedom), '
         'p = 0.07 (two-sided)',
@@ -1822,7 +1822,7 @@ def test_compare_by_hand(finished_job, tmp_path, capsys):
     assert T.main(['--compare', str(a), str(b)]) == 0
     out = capsys.readouterr().out
     assert 'B differs from A in: nothing it records' in out and 'B is higher than A at the 5 % level' in out
-    assert '           1      0.9400      0.6000\n           2                  0.9800\n' in out
+    assert '           1       94.00       60.00\n           2                   98.00\n' in out
     write_job(b, job_with(source, [0.93 + 1e-7, 0.94 + 1e-7, 0.95 + 1e-7]))
     assert T.main(['--compare', str(a), str(b)]) == 0
     assert 'the interval holds 0' in (out := capsys.readouterr().out) and 'more than 100,000 runs a side' in out
@@ -2139,7 +2139,7 @@ compiled = {{n: p.grad.clone() for n, p in networks.network.named_parameters() i
 networks.network.zero_grad()
 T.summed_loss(networks.parallel, x, y, hyp['label_smoothing'])[0].backward()
 eager = {{n: p.grad.clone() for n, p in networks.network.named_parameters() if p.requires_grad}}
-networks.reinitialise(networks.initial.prep[0].whitening, seed=0)
+networks.reinitialise(networks.ema.prep[0].whitening.clone(), seed=0)
 losses = [T.summed_loss(networks.network, x, y, hyp['label_smoothing'])[0].item() / 64]
 batches = x.repeat(5, 1, 1, 1).contiguous(memory_format=torch.channels_last), y.repeat(5)
 for epoch in range(3):                            # a learnable task: 3 epochs of 5 steps on one batch

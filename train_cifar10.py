@@ -14,9 +14,9 @@ Nesterov SGD on a piecewise-linear schedule, an EMA of the weights, flip test-ti
 Read top to bottom: the hyperparameters, the recipe in a run's order, below a banner the harness
 (the rank helpers the recipe calls do nothing in one process). README.md: the evidence, an H100's.
 """
-import argparse, bisect, codecs, contextlib, copy, datetime, difflib, hashlib, http.client, inspect, io
-import json, math, os, pickle, platform, shutil, signal, sys, tarfile, tempfile, textwrap
-import threading, time, urllib.request, warnings
+import argparse, bisect, codecs, contextlib, copy, datetime, difflib, hashlib, http.client
+import inspect, io, json, math, os, pickle, platform, shutil, signal, sys, tarfile, tempfile
+import textwrap, threading, time, urllib.request, warnings
 from pathlib import Path
 
 try:  # torch takes seconds to import: Ctrl-C meanwhile ends quietly, with the shell's status for it
@@ -346,12 +346,13 @@ class Nesterov:
 
 def optimiser(model, hyp):
     """Page's two groups: the batch-norm biases (bias_lr_scale) and every other trainable weight.
-    What a run asks of it, and of another optimiser put here: reset() when a run begins (its state
-    zeroed, the weights re-drawn in place), step(lr) after each backward of the loss summed over the
-    batch, lr the schedule's value, times each group's lr_scale (1 / batch_size: a mean's rate)."""
-    norms = [m for m in model.modules() if isinstance(m, nn.BatchNorm2d)]
-    biases = [m.bias for m in norms if m.bias is not None and m.bias.requires_grad]
-    weights = [p for p in model.parameters() if p.requires_grad and id(p) not in map(id, biases)]
+    What a run asks of it, and of another optimiser put here: reset() once the run's weights are
+    drawn, in place (zero its state, read the weights), step(lr) after each backward of the loss
+    summed over the batch, lr the schedule's value, times each group's lr_scale (1 / batch_size)."""
+    norm_biases = {id(m.bias) for m in model.modules() if isinstance(m, nn.BatchNorm2d)}
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    biases = [p for p in trainable if id(p) in norm_biases]
+    weights = [p for p in trainable if id(p) not in norm_biases]
     b, wd, k = hyp['batch_size'], hyp['weight_decay'], hyp['bias_lr_scale']
     return Nesterov([dict(params=weights, lr_scale=1 / b, weight_decay=wd * b),
                      dict(params=biases, lr_scale=k / b, weight_decay=wd * b / k)], hyp['momentum'])
@@ -1088,9 +1089,8 @@ def welch(a, b):
 
 
 def detectable_difference(se, df, power=0.8):
-    """The smallest true difference that Welch's test at the 5 % level finds with this power, from
-    runs whose difference has this standard error and degrees of freedom (the shifted-t
-    approximation of the noncentral t: power = P(T_df <= difference / se - t_0.975,df))."""
+    """The smallest true difference Welch's test at the 5 % level finds with this power, from runs
+    of this se and df (the shifted-t approximation of the noncentral t)."""
     return se * (t_quantile(0.975, df) + t_quantile(power, df))
 
 
@@ -1099,7 +1099,8 @@ def runs_for_power(diff, std_a, std_b, power=0.8, most=100_000):
     power; None if more than `most`."""
     def enough(n):
         df = (n - 1) * (std_a ** 2 + std_b ** 2) ** 2 / (std_a ** 4 + std_b ** 4)
-        return detectable_difference(math.sqrt((std_a ** 2 + std_b ** 2) / n), df, power) <= abs(diff)
+        se = math.sqrt((std_a ** 2 + std_b ** 2) / n)
+        return detectable_difference(se, df, power) <= abs(diff)
 
     fewest = bisect.bisect_left(range(2, most + 1), True, key=enough) + 2  # power grows with n
     return fewest if fewest <= most else None
@@ -1217,9 +1218,9 @@ def compare_lines(path_a, path_b):
                      f'EMA) mean {100 * acc[side].mean():.2f} %, standard deviation '
                      f'{100 * acc[side].std(ddof=1):.2f} %')
     means = [epoch_means(job['runs']) for job in (a, b)]  # the course of training, side by side
-    lines += ['mean by epoch:', table_line(('epoch', 'A valid acc', 'B valid acc'))]
-    lines += [table_line([epoch + 1, *(m[epoch] if epoch < len(m) else '' for m in means)])
-              for epoch in range(max(map(len, means)))]
+    lines += ['mean valid accuracy by epoch, %:', table_line(('epoch', 'A', 'B'))]
+    lines += [table_line([epoch + 1, *(f'{100 * m[epoch]:.2f}' if epoch < len(m) else '' for m in
+                                       means)]) for epoch in range(max(map(len, means)))]
     differences = job_differences(a, b, [k for k in JOB_KEYS if k != 'seed'])
     lines.append('B differs from A in: ' + (', '.join(differences) or 'nothing it records'))
     w = welch(acc['A'], acc['B'])
@@ -1231,10 +1232,10 @@ def compare_lines(path_a, path_b):
                  f"(Welch, {w['df']:.1f} degrees of freedom), p = {w['p']:.2g} (two-sided)")
     verdict = ('the interval holds 0: no difference shown at the 5 % level' if low <= 0 <= high else
                f"B is {'higher' if w['diff'] > 0 else 'lower'} than A at the 5 % level")
-    smallest = detectable_difference(w['se'], w['df'])  # what these runs can resolve
-    resolves = (f'these runs would find a true difference of {100 * smallest:.3f} points or more '
-                '80 % of the time at the 5 % level')
-    n = runs_for_power(w['diff'], acc['A'].std(ddof=1), acc['B'].std(ddof=1))
+    smallest = 100 * detectable_difference(w['se'], w['df'])  # what these runs can resolve
+    resolves = (f'these runs would find a true difference of {smallest:.3f} points or more 80 % of '
+                'the time at the 5 % level')
+    n = runs_for_power(w['diff'], acc['A'].std(ddof=1), acc['B'].std(ddof=1)) if w['diff'] else 0
     need = ('the means are equal: there is no difference to resolve' if w['diff'] == 0 else
             (f'{n} runs a side' if n else 'more than 100,000 runs a side') +
             f" would find a true difference of {100 * abs(w['diff']):.3f} points 80 % of the time "
