@@ -14,9 +14,9 @@ Nesterov SGD on a piecewise-linear schedule, an EMA of the weights, flip test-ti
 Read top to bottom: the hyperparameters, the recipe in a run's order, below a banner the harness
 (the rank helpers the recipe calls do nothing in one process). README.md: the evidence, an H100's.
 """
-import argparse, bisect, codecs, contextlib, copy, datetime, difflib, hashlib, http.client
+import argparse, codecs, contextlib, copy, datetime, difflib, hashlib, http.client
 import inspect, io, json, math, os, pickle, platform, shutil, signal, sys, tarfile, tempfile
-import textwrap, threading, time, urllib.request, warnings
+import textwrap, threading, time, traceback, urllib.request, warnings
 from pathlib import Path
 
 try:  # torch takes seconds to import: Ctrl-C meanwhile ends quietly, with the shell's status for it
@@ -29,36 +29,43 @@ except KeyboardInterrupt:
     raise SystemExit(130) from None
 
 # ==== Hyperparameters ==========================================================================
-# David Page's final 10-epoch recipe ("How to train your ResNet 8: bag of tricks"). The loss is
-# summed over the batch and a step's lr is schedule(epoch) / batch_size: the schedule is the rate
-# applied to the mean gradient, whatever the batch size; weight decay is times batch_size, so that
-# the decay a step (lr x wd) does not change either. --set NAME=VALUE sets any of them, no edit of
-# this file; --epochs, --batch-size and --cutout set theirs, --tiny a few (TINY, below the banner).
+# David Page's final 10-epoch recipe ("How to train your ResNet 8: bag of tricks": "Page 8", where
+# a trick's gain is a mean of 50 runs). The loss is summed over the batch and a step's lr is
+# schedule(epoch) / batch_size: the schedule is the rate applied to the mean gradient, whatever the
+# batch size; weight decay is times batch_size, so that the decay a step (lr x wd) does not change
+# either. --set NAME=VALUE sets any (TRICKS_OFF's values turn a trick off), --tiny a few.
 HYP = dict(
     epochs=10,               # Page: 94.1% mean with flip-TTA after 10 epochs (26 s on a V100)
     batch_size=512,          # Page; the last partial batch is dropped: 97 steps per epoch
     lr_peak=1.0,             # schedule: 0 -> lr_peak, linearly, over the first fifth of training
-    lr_floor=0.1,            # ... then linearly down to lr_floor, held for the last floor_epochs
-    floor_epochs=2,          # Page: the last 2 epochs at the floor, where the EMA averages most
+    lr_floor=0.1,            # ... then linearly down to lr_floor, held for the last floor_epochs:
+    floor_epochs=2,          # Page 8: not 0 at the end, so that the EMA averages over a live rate
     momentum=0.9,            # Page: Nesterov momentum
     weight_decay=5e-4,       # Page; times batch_size per step, see above
-    bias_lr_scale=64.0,      # Page: batch-norm biases take lr x 64 and weight decay / 64
-    label_smoothing=0.2,     # Page
-    ema_momentum=0.99,       # Page: EMA of weights and BN statistics, per step ...
-    ema_every=5,             # ... applied every 5 steps as momentum**5, to save launches
-    bn_split_size=32,        # Page: ghost batch norm, statistics over 32 images (16 splits at 512)
-    celu_alpha=0.3,          # Page: CELU(0.3), a smooth ReLU
-    logit_scale=1 / 16,      # Page: logits x 1/16, a fixed temperature
+    bias_lr_scale=64.0,      # Page 8: batch-norm biases take lr x 64 and weight decay / 64
+    label_smoothing=0.2,     # Page 8: targets 0.8 x one-hot + 0.2 x uniform; 0: off
+    ema_momentum=0.99,       # Page 8: EMA of weights and BN statistics, ~an epoch; 0: off
+    ema_every=5,             # ... applied every 5 steps as momentum**5: more often did not help
+    bn_split_size=32,        # Page 8: ghost batch norm over 32 images; 0: over the whole batch
+    bn_scale_frozen=True,    # Page 8: batch-norm scales fixed at 1; False: learned, as before
+    celu_alpha=0.3,          # Page 8: CELU(0.3), a smooth ReLU; 0: ReLU (CELU's limit)
+    logit_scale=1 / 16,      # Page: logits x 1/16, a fixed temperature of the softmax
+    whitening='fixed',       # Page 8: fixed patch whitening; 'learned' from it; 'none': a 3x3 conv
+    flip_tta=True,           # Page 8: evaluate each image with its mirror; False: the image alone
     channels=(64, 128, 256, 512),  # Page's ResNet9 widths: prep, layer1, layer2, layer3
     whitening_images=10000,  # Page: patch second moment from 10,000 training images ...
     whitening_eps=1e-2,      # ... each filter divided by sqrt(eigenvalue + eps)
     pad=4,                   # Page: reflect-pad by 4, then take a random 32x32 crop
     cutout=0,                # side of a zeroed square: 0 in the 10-epoch recipe, 8 in longer ones
-    augment_options=200,     # Page's loader: at most 200 crop and cutout positions an epoch
+    augment_options=200,     # Page 8: at most 200 crop (cutout) positions an epoch, see crop()
     eval_batch_size=1000,    # any size gives the same results up to rounding; 1000 divides 10,000
     train_images=50000,      # the first N training images: all of CIFAR-10's, or fewer for a ...
     test_images=10000,       # ... learning curve or a quick check; the first N test images
 )
+TRICKS_OFF = {  # each of Page's tricks, and the setting that turns it off (the rest as it is)
+    'label smoothing': ('label_smoothing', 0), 'CELU': ('celu_alpha', 0),
+    'ghost batch norm': ('bn_split_size', 0), 'frozen scales': ('bn_scale_frozen', False),
+    'whitening': ('whitening', 'none'), 'EMA': ('ema_momentum', 0), 'flip-TTA': ('flip_tta', False)}
 
 # ==== 1. Preprocessing and augmentation of the uint8 images, on the device, a whole epoch at once
 NUM_CLASSES = 10
@@ -77,7 +84,8 @@ def normalise(images, device, dtype):
 
 def balanced_choice(n, options, max_options, generator):
     """For each of n images one of options choices, as Page's loader draws them: at most
-    max_options of them, each for an equal share of the images."""
+    max_options of them, each for an equal share of the images (Page 8: a GPU crops the images of
+    an offset in one call; a call an image would cost more than the crop)."""
     picked = torch.randperm(options, generator=generator)[:max_options]
     return picked[torch.randperm(n, generator=generator) % len(picked)]
 
@@ -98,8 +106,9 @@ def draw_augmentation(n, hyp, generator):
 
 
 def crop(padded, top, left, size):
-    """Image i's size x size window at (top[i], left[i]): the images grouped by offset (81 groups
-    for a pad of 4), each group cut by a slice (a per-pixel gather's index: 4 times the images)."""
+    """Image i's size x size window at (top[i], left[i]), i.e. padded[i, :, top:top + size,
+    left:left + size] for each i, made fast: the images grouped by offset (81 groups for a pad of
+    4), each group cut by one slice (a per-pixel gather would need an index 4 times the images)."""
     width = padded.shape[3]
     offsets = top * width + left  # each image's, as one number
     order = torch.argsort(offsets, stable=True)  # the images grouped by offset
@@ -166,7 +175,9 @@ def patch_moment(images):
 def whitening_filters(images, eps):
     """Page's first layer: fixed 3x3 conv filters that whiten the images' 27-dim patches, the
     eigenvectors of their second moment (uncentred, as Page's) over sqrt(eigenvalue + eps), largest
-    first. Whitened patches have about unit moment, which the network would take epochs to learn."""
+    first. Batch norm scales channels but leaves nearby pixels and colours correlated; whitened
+    patches have about unit moment, which the network would take epochs to learn (Page 8: 94.1 ->
+    94.4 %; whitening='none' is his 3x3 conv before it)."""
     moment = patch_moment(images).cpu().double()  # eigenvectors in float64, on the CPU
     eigenvalues, eigenvectors = torch.linalg.eigh(moment)  # in ascending order
     eigenvalues, eigenvectors = eigenvalues.flip(0), eigenvectors.T.flip(0)
@@ -175,13 +186,17 @@ def whitening_filters(images, eps):
 
 
 class WhitenedPrep(nn.Module):
-    """Page's fixed whitening (3x3, 3 -> 27 channels) and trainable 1x1 prep conv (27 -> c_out) as
-    the one 3x3 conv they compose to, its filters formed at every step from the c_out x 27 weights:
-    same function and gradient, and the 27-channel full-resolution activation is never written."""
+    """Page's whitening (3x3, 3 -> 27 channels) and trainable 1x1 prep conv (27 -> c_out): plainly,
+    conv2d(conv2d(x, whitening, padding=1), weight[:, :, None, None]), a whitened 27-channel image
+    and a 1x1 conv. Here the one 3x3 conv they compose to, its filters formed at every step from the
+    c_out x 27 weights: same function and gradient, and the 27-channel image is never written."""
 
-    def __init__(self, whitening, c_out):
+    def __init__(self, whitening, c_out, learned=False):
         super().__init__()
-        self.register_buffer('whitening', whitening)  # fixed, never trained
+        if learned:  # whitening='learned': the filters are a weight, trained from the whitening
+            self.whitening = nn.Parameter(whitening)
+        else:
+            self.register_buffer('whitening', whitening)  # fixed, never trained
         self.weight = nn.Parameter(torch.empty(c_out, len(whitening)))
         self.reset_parameters()
 
@@ -189,7 +204,7 @@ class WhitenedPrep(nn.Module):
         nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))  # nn.Conv2d's draw: fan-in 27
 
     def forward(self, x):
-        # fp32, cheap with 3 input channels: fp16 (bf16) would lose up to 2 (30) % of the 1x1 grad
+        # in fp32, cheap on 3 channels: the 1x1 gradient would lose up to 2 % in fp16, 30 % in bf16
         wide = at_least_fp32(x.dtype)
         filters = self.weight.to(wide) @ self.whitening.to(wide).flatten(1)
         filters = filters.view(-1, *self.whitening.shape[1:])
@@ -197,43 +212,54 @@ class WhitenedPrep(nn.Module):
 
 
 class GhostBatchNorm(nn.BatchNorm2d):
-    """Batch norm over splits of split_size images (noisier statistics regularise), scale frozen
-    at 1; split k of s holds images k, k+s, ... Statistics in fp32; the running ones move by the
-    splits' mean. Eager NCHW, as in Page's code, one batch_norm of a view whose channels are the
-    splits (not MPS's in half precision: pytorch#154887); compiled, a var_mean inductor fuses."""
+    """Batch norm over splits of split_size images (0: the whole batch); split k of s holds images
+    k, k+s, ... Page 8: it works best over ~32 images, whose noisier statistics regularise (94.1 ->
+    94.2 %). He froze the scales, which learned little but followed the weight decay: at their
+    typical 1/4, 94.1 -> 94.2 %; at 1 with CELU's alpha x 4 (0.075 -> 0.3) and the biases' lr x 16
+    and weight decay / 16, the same run; x 4 more on that lr helped: bias_lr_scale=64. Statistics in
+    fp32; running ones move 0.1 (torch's, Page's) of the way to the splits' mean. Eager NCHW, as in
+    Page's code, one batch_norm of a view whose channels are the splits (not MPS's in half
+    precision: pytorch#154887); compiled, var_mean and arithmetic the compiler fuses into a pass."""
 
-    def __init__(self, channels, split_size):
+    def __init__(self, channels, split_size, frozen_scale=True):
         super().__init__(channels)
         self.split_size = split_size
-        self.weight.requires_grad_(False)  # Page: a frozen scale of 1; only the bias is learnt
+        self.weight.requires_grad_(not frozen_scale)  # Page: a scale of 1; only the bias learns
 
     def forward(self, x):
         if not self.training:
             return super().forward(x)
-        (n, c, h, w), splits = x.shape, len(x) // self.split_size
+        (n, c, h, w), size = x.shape, self.split_size or len(x)
+        splits = n // size
         as_channels = not torch.compiler.is_compiling() and x.is_contiguous()  # NCHW, eager
         if as_channels and (x.device.type != 'mps' or x.dtype == self.running_mean.dtype):
             stats = torch.zeros(2, splits * c, device=x.device, dtype=self.running_mean.dtype)
-            y = F.batch_norm(x.view(-1, splits * c, h, w), *stats, self.weight.repeat(splits),
-                             self.bias.repeat(splits), True, 1.0, self.eps)
+            y = F.batch_norm(x.view(-1, splits * c, h, w), running_mean=stats[0],
+                             running_var=stats[1], weight=self.weight.repeat(splits),
+                             bias=self.bias.repeat(splits), training=True, momentum=1.0,
+                             eps=self.eps)  # momentum 1: the running statistics become the splits'
             mean, var = stats.view(2, splits, c).mean(1)
-        else:  # inductor fuses these with their neighbours
+        else:  # the compiler fuses these with their neighbours
             xs = x.view(-1, splits, c, h, w).to(at_least_fp32(x.dtype))
             var, mean = torch.var_mean(xs, dim=(0, 3, 4), correction=0, keepdim=True)
             scale = torch.rsqrt(var + self.eps) * self.weight.view(1, 1, c, 1, 1)
             y = ((xs - mean) * scale + self.bias.view(1, 1, c, 1, 1)).to(x.dtype)
-            bessel = self.split_size * h * w / (self.split_size * h * w - 1)  # unbiased variance
+            bessel = size * h * w / (size * h * w - 1)  # the unbiased variance, as batch_norm's
             mean, var = mean.view(splits, c).mean(0), var.view(splits, c).mean(0) * bessel
         with torch.no_grad():
             torch._foreach_lerp_([self.running_mean, self.running_var], [mean, var], self.momentum)
         return y.view(n, c, h, w)
 
 
-def conv_bn(c_in, c_out, hyp, pool=False):
-    """3x3 conv (no bias: batch norm follows), optional 2x2 max-pool, ghost batch norm, CELU."""
-    return nn.Sequential(nn.Conv2d(c_in, c_out, 3, padding=1, bias=False),
+def conv_bn(c_in, c_out, hyp, pool=False, conv=None):
+    """3x3 conv (or conv; no bias: batch norm follows), optional 2x2 max-pool, ghost batch norm,
+    CELU. Page 8 pools before batch norm: a quarter of its and CELU's work, for 0.1 % that an epoch
+    more bought. CELU is smooth where ReLU bends at 0, which may help the optimiser, and makes a
+    smoother, less expressive function (Page 8: 94.1 -> 94.3 %); celu_alpha=0 is ReLU."""
+    return nn.Sequential(conv or nn.Conv2d(c_in, c_out, 3, padding=1, bias=False),
                          *([nn.MaxPool2d(2)] if pool else []),
-                         GhostBatchNorm(c_out, hyp['bn_split_size']), nn.CELU(hyp['celu_alpha']))
+                         GhostBatchNorm(c_out, hyp['bn_split_size'], hyp['bn_scale_frozen']),
+                         nn.CELU(hyp['celu_alpha']) if hyp['celu_alpha'] else nn.ReLU())
 
 
 class Residual(nn.Module):
@@ -249,14 +275,14 @@ class Residual(nn.Module):
 
 class ResNet9(nn.Module):
     """Page's ResNet9: whitening and prep, three pooled layers (two with residual branches), a
-    global max-pool and a linear head."""
+    global max-pool, a linear head, logits x 1/16 (Page 8: with scales frozen, the output's)."""
 
     def __init__(self, whitening, hyp):
         super().__init__()
         prep, c1, c2, c3 = hyp['channels']
-        self.prep = nn.Sequential(WhitenedPrep(whitening, prep),
-                                  GhostBatchNorm(prep, hyp['bn_split_size']),
-                                  nn.CELU(hyp['celu_alpha']))
+        whitened = hyp['whitening'] != 'none'  # else conv_bn's own 3x3 conv, Page's before it
+        first = whitened and WhitenedPrep(whitening, prep, learned=hyp['whitening'] == 'learned')
+        self.prep = conv_bn(3, prep, hyp, conv=first)
         self.layer1 = nn.Sequential(conv_bn(prep, c1, hyp, pool=True), Residual(c1, hyp))
         self.layer2 = conv_bn(c1, c2, hyp, pool=True)
         self.layer3 = nn.Sequential(conv_bn(c2, c3, hyp, pool=True), Residual(c3, hyp))
@@ -270,20 +296,22 @@ class ResNet9(nn.Module):
 
 
 def flip_tta_logits(model, images):
-    """Mean of the logits of each image and of its left-right mirror, in one forward pass."""
-    logits = model(torch.cat([images, images.flip(3)]))
-    return (logits[:len(images)] + logits[len(images):]) / 2
+    """The logits of each image, and their mean with its left-right mirror's (flip test-time
+    augmentation), in one forward pass. The mean is the same for an image and its mirror: the
+    invariance that training's random flips only teach (Page 8: 94.1 -> 94.6 %, the most of all)."""
+    plain, mirrored = model(torch.cat([images, images.flip(3)])).split(len(images))
+    return plain, (plain + mirrored) / 2
 
 
 def to_training_precision(model, dtype):
     """The network in dtype, but in fp32 or wider batch norm (it divides by a variance of small
-    differences) and the whitening buffer (each run copies its filters into it, unrounded)."""
+    differences) and the whitening (each run copies its filters into it, unrounded)."""
     model.to(dtype)
     for module in model.modules():
         if isinstance(module, nn.BatchNorm2d):
             module.to(at_least_fp32(dtype))
-        elif isinstance(module, WhitenedPrep):
-            module.whitening = module.whitening.to(at_least_fp32(dtype))
+        elif isinstance(module, WhitenedPrep):  # a buffer, or a parameter (learned)
+            module.whitening.data = module.whitening.data.to(at_least_fp32(dtype))
     return model
 
 
@@ -305,9 +333,9 @@ class Nesterov:
     enters the momentum buffer v:  dw = -lr_t (g + wd w);  v <- m v + dw;  w <- w + dw + m v.
     torch.optim.SGD applies the current rate to the whole buffer instead, the same only while the
     rate is constant; as it rises, SGD's steps would be up to 45 % larger (at step 10, for a
-    constant gradient). bf16 weights are updated through fp32 master copies (their weight-decay
-    steps would round to nothing); fp16 weights in place, as Page did. A few fused (foreach)
-    launches a group per step."""
+    constant gradient). bf16 weights are updated through fp32 copies ('masters': bf16's weight-decay
+    steps would round to nothing); fp16 weights in place, as Page did. Each line is one
+    torch._foreach_ call over a group's tensors: a few device calls a step, not a few a tensor."""
 
     def __init__(self, groups, momentum):
         self.momentum, self.groups = momentum, []
@@ -359,7 +387,9 @@ def optimiser(model, hyp):
 
 
 def ema_tensors(model):
-    """The tensors the EMA averages: every floating-point weight and batch-norm statistic."""
+    """What the EMA (exponential moving average) averages: every floating-point weight and batch
+    norm statistic. Page 8: a high rate travels far but ends noisy; an average of the last ~100
+    steps sits nearer the minimum than any one, so the rate need not fall to 0 (94.1 -> 94.3 %)."""
     return [t for t in model.state_dict().values() if t.is_floating_point()]
 
 
@@ -380,8 +410,8 @@ def summed_loss(model, images, labels, label_smoothing):
 
 class Networks:
     """Built once for every run: the network trained, its fp32 EMA that is evaluated, the optimiser,
-    the loss and flip-TTA functions (compiled, in channels_last except on MPS, at fixed shapes that
-    never recompile; or eager in NCHW). reinitialise() draws a run's new weights."""
+    the loss and flip-TTA functions (torch.compile'd, in channels_last but on MPS, at fixed shapes
+    that never recompile; or eager in NCHW). reinitialise() draws a run's new weights."""
 
     def __init__(self, hyp, device, dtype, compiled):
         self.hyp, self.device, self.dtype = hyp, device, dtype
@@ -415,7 +445,8 @@ class Networks:
 
 def train_epoch(networks, images, labels, epoch, steps, hyp):
     """One pass over the batches: the summed loss and correct count (device tensors: nothing waits
-    for them) and the last lr. As in Page's code, the EMA updates after batches 0, 5, 10, ..."""
+    for them) and the last lr. As in Page's code, the EMA updates after batches 0, 5, 10, ...;
+    without it (ema_momentum=0) the last batch's weights are copied to be evaluated."""
     world = rank_and_world()[1]  # the ranks that split each batch: 1 in one process
     batch = hyp['batch_size'] // world  # this rank's images of a step
     loss_sum = correct = 0  # tensors on the device after the first step
@@ -427,7 +458,7 @@ def train_epoch(networks, images, labels, epoch, steps, hyp):
         loss, logits = networks.summed_loss(networks.parallel, x, y, hyp['label_smoothing'])
         (loss * world).backward()  # DDP averages the ranks' gradients: x world, the batch's sum
         networks.optimiser.step(lr)
-        if i % hyp['ema_every'] == 0:
+        if i % hyp['ema_every'] == 0 or i == steps - 1 and not hyp['ema_momentum']:
             average_over_ranks(networks.batch_norm_statistics)  # the ranks' mean, one process's
             ema_update(*networks.averaged_and_trained, hyp['ema_momentum'] ** hyp['ema_every'])
         loss_sum += loss.detach()
@@ -450,14 +481,23 @@ def test_set(data, networks, hyp, last_batches=None):
 
 @torch.no_grad()
 def evaluate(networks, images, labels, hyp):
-    """Summed loss (label-smoothed) and correct count of the EMA model with flip-TTA."""
-    loss_sum = correct = 0  # tensors on the device after the first batch
+    """Summed loss (label-smoothed, as in training) and correct count of the EMA model with flip-TTA
+    (or as flip_tta and ema_momentum say), and the correct count of TTA's first view alone."""
+    loss_sum = correct = plain_correct = 0  # tensors on the device after the first batch
     for x, y in zip(images.split(hyp['eval_batch_size']), labels.split(hyp['eval_batch_size'])):
-        logits = networks.flip_tta_logits(networks.ema, x)
+        plain, tta = networks.flip_tta_logits(networks.ema, x)
+        logits = tta if hyp['flip_tta'] else plain
         loss_sum += F.cross_entropy(logits, y, label_smoothing=hyp['label_smoothing'],
                                     reduction='sum')
         correct += (logits.argmax(1) == y).sum()
-    return loss_sum, correct
+        plain_correct += (plain.argmax(1) == y).sum()
+    return loss_sum, correct, plain_correct
+
+
+def evaluated(hyp):
+    """What valid accuracy is of, in the output's words: 'flip-TTA, EMA' in the recipe."""
+    return (f"{'flip-TTA' if hyp['flip_tta'] else 'no TTA'}, "
+            f"{'EMA' if hyp['ema_momentum'] else 'no EMA: the trained weights'}")
 
 
 # ==== 5. One run, timed by the DAWNBench rule ==================================================
@@ -471,8 +511,10 @@ def train_run(data, networks, hyp, seed, on_epoch, steps_per_epoch=None, test_ba
     train = normalise(data['train_images'], device, networks.dtype)
     train_labels = torch.from_numpy(data['train_labels']).to(device)
     padded = F.pad(train, (hyp['pad'],) * 4, mode='reflect')
-    whitening = whitening_filters(train[:hyp['whitening_images']], hyp['whitening_eps'])
-    average_over_ranks([whitening])  # under torchrun, every rank's the same, bit for bit
+    whitening = torch.zeros(27, 3, 3, 3)  # what a network without whitening ('none') is given
+    if hyp['whitening'] != 'none':
+        whitening = whitening_filters(train[:hyp['whitening_images']], hyp['whitening_eps'])
+        average_over_ranks([whitening])  # under torchrun, every rank's the same, bit for bit
     networks.reinitialise(whitening, seed)
     total_time, rows = synced_clock(device) - start, []
     for epoch in range(1, hyp['epochs'] + 1):
@@ -484,16 +526,16 @@ def train_run(data, networks, hyp, seed, on_epoch, steps_per_epoch=None, test_ba
         train_loss, train_correct, lr = train_epoch(networks, images, labels, epoch, steps, hyp)
         train_time = synced_clock(device) - start
         start = time.perf_counter()
-        valid_loss, valid_correct = evaluate(networks, test, test_labels, hyp)
+        valid_loss, valid_correct, plain_correct = evaluate(networks, test, test_labels, hyp)
         valid_time = synced_clock(device) - start
         total_time += train_time
-        train_loss, train_correct, valid_loss, valid_correct = sum_over_ranks(
-            train_loss, train_correct, valid_loss, valid_correct)
+        train_loss, train_correct, valid_loss, valid_correct, plain_correct = sum_over_ranks(
+            train_loss, train_correct, valid_loss, valid_correct, plain_correct)
         n_train, n_test = steps * hyp['batch_size'], len(data['test_images'])
         rows.append(dict(epoch=epoch, lr=lr, train_time=train_time, train_loss=train_loss / n_train,
                          train_acc=train_correct / n_train, valid_time=valid_time,
                          valid_loss=valid_loss / n_test, valid_acc=valid_correct / n_test,
-                         total_time=total_time))
+                         total_time=total_time, plain_acc=plain_correct / n_test))
         on_epoch(rows[-1])
         if not (math.isfinite(rows[-1]['train_loss']) and math.isfinite(rows[-1]['valid_loss'])):
             break  # diverged: the caller reports the run as failed
@@ -648,22 +690,33 @@ def pick_device(name, local_rank=None, share=False):
                     'cpu): choose auto, cuda, cuda:N, mps or cpu')
 
 
-def pick_dtype(name, device):
-    """The training dtype, once two steps of a narrow network on random images have run in it on
-    this device: a GPU without bf16 fails them; one that emulates bf16 runs slowly but right."""
+def pick_dtype(name, device, hyp=HYP):
+    """The training dtype, once two steps of the recipe as hyp sets it, narrow, on random images ran
+    in it on this device. A failure is the device's (a GPU without bf16) only if a bare convolution
+    fails too, else the code's; a GPU that emulates bf16 runs slowly but right."""
     if name == 'auto':
         name = 'fp16' if device.type == 'cuda' else 'fp32'
     dtype = dict(fp16=torch.float16, bf16=torch.bfloat16, fp32=torch.float32)[name]
     images = np.random.default_rng(0).integers(0, 256, (128, 3, 32, 32), dtype=np.uint8)
     data = dict(train_images=images, train_labels=np.arange(128) % NUM_CLASSES)
-    hyp = {**HYP, 'channels': (8, 8, 8, 8), 'epochs': 1, 'batch_size': 64, 'eval_batch_size': 64,
-           'whitening_images': 128, 'cutout': 8}
+    hyp = {**hyp, 'channels': (8, 8, 8, 8), 'epochs': 1, 'batch_size': 64, 'whitening_images': 128,
+           'cutout': 8, 'bn_split_size': math.gcd(hyp['bn_split_size'], 64)}
     try:
         train_run({**data, 'test_images': images, 'test_labels': data['train_labels']},
                   Networks(hyp, device, dtype, False), hyp, 0, lambda row: None)
     except (RuntimeError, TypeError, NotImplementedError) as e:
-        raise UserError(f'--dtype {name} does not run on {device.type} ({str(e).splitlines()[0]}); '
-                        'choose another --dtype or --device') from None
+        why = f'{type(e).__name__}: {str(e).splitlines()[0]}'
+        try:  # a convolution and its gradient, none of the recipe's code: what the device must do
+            x = torch.ones(2, 3, 8, 8, device=device, dtype=dtype, requires_grad=True)
+            F.conv2d(x, x[:1]).sum().backward()
+        except (RuntimeError, TypeError, NotImplementedError):
+            raise UserError(f'--dtype {name} does not run on {device.type} ({why}); choose another '
+                            '--dtype or --device') from None
+        line = [f for f in traceback.extract_tb(e.__traceback__)
+                if f.filename == pick_dtype.__code__.co_filename][-1]  # the last in this file
+        raise UserError(f'the recipe fails in {name} on {device.type}, where a bare convolution '
+                        f'runs: {why} (line {line.lineno}, in {line.name}): an error of the code, '
+                        'not of the device') from None
     return dtype
 
 
@@ -685,7 +738,7 @@ def fp32_precision(device, dtype):
         return None  # CPUs and MPS compute fp32 as fp32
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
     warnings.filterwarnings('ignore', message='TensorFloat32 tensor cores')  # inductor's advice
-    return "TF32 for the EMA's evaluation only" if evaluates_in_tf32(device, dtype) else 'TF32 off'
+    return 'TF32 for the evaluation only' if evaluates_in_tf32(device, dtype) else 'TF32 off'
 
 
 def in_tf32(function):
@@ -884,7 +937,8 @@ def signals_held(discard=False):
 
 # ==== Reporting: the Myrtle.ai / DAWNBench table, the header, the summary over runs ============
 COLUMNS = ('epoch', 'lr', 'train time', 'train loss', 'train acc',
-           'valid time', 'valid loss', 'valid acc', 'total time')  # a row's keys, in its order
+           'valid time', 'valid loss', 'valid acc', 'total time')
+ROW_KEYS = [column.replace(' ', '_') for column in COLUMNS]  # a row's keys (and plain_acc)
 
 
 def table_line(values):
@@ -894,7 +948,7 @@ def table_line(values):
 
 def run_table_lines(run, runs_requested, source=''):
     """A finished run's table: its title, the columns, a row per epoch, and FAILED if it failed."""
-    rows = [[math.nan if v is None else v for v in row.values()] for row in run['rows']]
+    rows = [[math.nan if row[k] is None else row[k] for k in ROW_KEYS] for row in run['rows']]
     lines = [f"\nrun {run['run']}/{runs_requested} (seed {run['seed']}){source}",
              table_line(COLUMNS), *map(table_line, rows)]
     if run['failed']:
@@ -906,7 +960,8 @@ def header_lines(job, world=1, spread=False):
     """What a log says before its first row (job: Job.context): version, device, ranks, settings,
     data, FLOPs."""
     device, flops, peak = job['device'], job['flops'], job['peak_tflops']
-    peak = f' | peak {peak:g} TFLOP/s' if peak else ''
+    peak, hyp = f' | peak {peak:g} TFLOP/s' if peak else '', job['hyperparameters']
+    off = [trick for trick, (name, value) in TRICKS_OFF.items() if hyp[name] == value]
     if world > 1:
         share = ('each training whole runs' if spread else
                  f"{job['hyperparameters']['batch_size'] // world} images each per step")
@@ -915,7 +970,7 @@ def header_lines(job, world=1, spread=False):
     tflop = {key: f'{value / 1e12:.4g} TFLOP' for key, value in flops.items()}
     fp32_math = f"; {job['fp32_math']}" if job['fp32_math'] else ''
     return [f"train_cifar10.py {job['script_sha256']} | torch {job['torch']} | {device}",
-            f"dtype {job['dtype'].replace('torch.', '')} (batch norm fp32, EMA fp32{fp32_math}) | "
+            f"dtype {job['dtype'].split('.')[-1]} (batch norm, evaluation fp32{fp32_math}) | "
             f"seed {job['seed']} | {job['train_images']} train / {job['test_images']} test images",
             *textwrap.wrap(', '.join(f'{k}={v}' for k, v in job['hyperparameters'].items()), 100,
                            initial_indent='hyperparameters: ', subsequent_indent='    ',
@@ -923,11 +978,12 @@ def header_lines(job, world=1, spread=False):
             f"data: {job['data']} (files' digest {job['data_digest']})",
             f"model FLOPs: {tflop['step']} a training step x {flops['steps']} steps + "
             f"{tflop['whitening']} whitening = {tflop['run']} a run{peak}",
-            'valid = flip-TTA accuracy of the EMA model; total time = preprocessing + training '
-            '(DAWNBench rule: validation excluded, after a warm-up)']
+            f'valid = accuracy ({evaluated(hyp)}); total time = preprocessing + training '
+            '(DAWNBench rule: validation excluded, after a warm-up)',
+            *([f"Page's tricks off: {', '.join(off)}"] if off else [])]
 
 
-def summarize(runs, gpu_price=None, count_94=True, flops=None, peak=None, world=1):
+def summarize(runs, count_94=True, flops=None, peak=None, world=1, hyp=HYP):
     """Statistics of the finished runs (failed: counted, not averaged); flops: TFLOP/s and MFU."""
     finished = [r for r in runs if not r['failed']]
     summary = dict(runs=len(runs), finished=len(finished), failed=len(runs) - len(finished))
@@ -935,16 +991,17 @@ def summarize(runs, gpu_price=None, count_94=True, flops=None, peak=None, world=
         return summary
     acc, times = (np.array([r[key] for r in finished]) for key in ('accuracy', 'time_s'))
     summary.update(acc_mean=acc.mean(), acc_min=acc.min(), acc_median=float(np.median(acc)),
-                   acc_max=acc.max(), time_mean_s=times.mean(),
+                   acc_max=acc.max(), time_mean_s=times.mean(), evaluated=evaluated(hyp),
                    time_median_s=float(np.median(times)), time_max_s=times.max())
+    plain = [r['rows'][-1].get('plain_acc') for r in finished]  # TTA's first view alone
+    if hyp['flip_tta'] and None not in plain:
+        summary['acc_no_tta_mean'] = float(np.mean(plain))
     if count_94:
         summary['reached_94'] = int((acc >= 0.94).sum())
     if len(acc) > 1:
         std = acc.std(ddof=1)
         half_width = t_quantile(0.975, len(acc) - 1) * std / math.sqrt(len(acc))
         summary.update(acc_std=std, acc_ci95=(acc.mean() - half_width, acc.mean() + half_width))
-    if gpu_price is not None:
-        summary['cost_per_run_usd'] = times.mean() / 3600 * gpu_price
     if flops:
         summary['tflops_per_s'] = flops / 1e12 / times.mean()
         if peak:
@@ -972,7 +1029,7 @@ def summary_lines(summary):
         return lines + ['no run finished: no statistics']
     spread = (f"standard deviation {percent('acc_std')} %" if finished > 1 else
               'one run: no standard deviation')
-    lines.append(f"accuracy (flip-TTA, EMA): mean {percent('acc_mean')} %, {spread}")
+    lines.append(f"accuracy ({summary['evaluated']}): mean {percent('acc_mean')} %, {spread}")
     if finished > 1:
         low, high = summary['acc_ci95']
         lines.append('95% confidence interval of the mean: ' + (
@@ -981,6 +1038,8 @@ def summary_lines(summary):
     reached = (f";  runs >= 94%: {summary['reached_94']} of {finished}"
                if 'reached_94' in summary else '')
     lines.append(f"min / median / max: {percent('acc_min', 'acc_median', 'acc_max')} %{reached}")
+    if 'acc_no_tta_mean' in summary:  # what flip-TTA adds
+        lines.append(f"without flip-TTA (each image alone): mean {percent('acc_no_tta_mean')} %")
     by_epoch = ' '.join(f'{100 * acc:.2f}' for acc in summary.get('acc_by_epoch', []))
     lines += textwrap.wrap(f'mean by epoch: {by_epoch} %', 100) if by_epoch else []  # the course
     lines.append('time per run: mean {time_mean_s:.2f} s, median {time_median_s:.2f} s, max '
@@ -989,15 +1048,11 @@ def summary_lines(summary):
         ranks = f" over {summary['ranks']} ranks" if summary['ranks'] > 1 else ''
         lines.append(f"job: {ran} run{'s' * (ran != 1)} in {summary['wall_s']:.1f} s of wall time "
                      f"after the warm-up{ranks}, {summary['runs_per_hour']:.0f} runs an hour")
-    if 'cost_per_run_usd' in summary:
-        lines.append(f"cost per run: ${summary['cost_per_run_usd']:.5f}")
     if 'tflops_per_s' in summary:
         rate = summary['tflops_per_s']
         rate = f'{rate:.2f} TFLOP/s' if rate >= 1 else f'{1000 * rate:.3g} GFLOP/s'
         mfu = f", model-FLOP utilisation {100 * summary['mfu']:.1f} %" if 'mfu' in summary else ''
         lines.append(f'achieved: {rate} of model FLOPs per run{mfu}')
-    if 'peak_memory_gb' in summary:
-        lines.append(f"peak GPU memory: {summary['peak_memory_gb']:.2f} GB")
     return lines
 
 
@@ -1022,7 +1077,8 @@ def count_flops(hyp, n_train):
         with FlopCounterMode(display=False) as step:
             summed_loss(net, batch, labels, hyp['label_smoothing'])[0].backward()
         with FlopCounterMode(display=False) as whitening:
-            patch_moment(torch.zeros(min(hyp['whitening_images'], n_train), 3, 32, 32))
+            if hyp['whitening'] != 'none':  # a network without it does not compute it
+                patch_moment(torch.zeros(min(hyp['whitening_images'], n_train), 3, 32, 32))
     steps = hyp['epochs'] * (n_train // hyp['batch_size'])
     step, whitening = step.get_total_flops(), whitening.get_total_flops()
     return dict(step=step, steps=steps, whitening=whitening, run=steps * step + whitening)
@@ -1030,18 +1086,15 @@ def count_flops(hyp, n_train):
 
 # Datasheets' dense fp16/bf16 tensor-core peaks, TFLOP/s (fp32 accumulation; half "with sparsity"),
 # by the names torch.cuda.get_device_name() gives: a variant not listed (H100 NVL, a MIG slice, a
-# laptop's RTX 4090) gets no figure rather than its family's; --peak-tflops gives one.
+# laptop's RTX 4090) gets no figure rather than its family's; --peak-tflops gives one. The sheets:
+# H100's, H200's (SXM, PCIe), A100's (SXM4, PCIe), L40S's (362.05), L4's, T4's (mixed fp16/fp32),
+# V100's (SXM2); A10G: AWS's A10, the clouds'; RTX 4090: Ada's whitepaper (330 accumulating in fp16)
 PEAK_TFLOPS = {
-    'NVIDIA H100 80GB HBM3': 989, 'NVIDIA H100 PCIe': 756,  # H100 datasheet: SXM, PCIe
-    'NVIDIA H200': 989,  # H200 datasheet, SXM column
+    'NVIDIA H100 80GB HBM3': 989, 'NVIDIA H100 PCIe': 756, 'NVIDIA H200': 989,
     **dict.fromkeys(('NVIDIA A100-SXM4-40GB', 'NVIDIA A100-SXM4-80GB', 'NVIDIA A100-PCIE-40GB',
-                     'NVIDIA A100 80GB PCIe'), 312),  # A100 datasheet, SXM4 and PCIe
-    'NVIDIA L40S': 362, 'NVIDIA L4': 121,  # their datasheets (L40S: 362.05)
-    'NVIDIA A10G': 70,  # AWS's A10 variant, no NVIDIA datasheet: the clouds' sheets
-    'Tesla T4': 65,  # T4 datasheet, mixed fp16/fp32
-    'Tesla V100-SXM2-16GB': 125, 'Tesla V100-SXM2-32GB': 125,  # V100 datasheet, SXM2
-    'NVIDIA GeForce RTX 4090': 165,  # Ada whitepaper, fp32 accumulate; 330 with fp16 accumulate
-}
+                     'NVIDIA A100 80GB PCIe'), 312), 'NVIDIA L40S': 362, 'NVIDIA L4': 121,
+    'NVIDIA A10G': 70, 'Tesla T4': 65, 'Tesla V100-SXM2-16GB': 125, 'Tesla V100-SXM2-32GB': 125,
+    'NVIDIA GeForce RTX 4090': 165}
 
 
 def peak_tflops(device, dtype, given=None):
@@ -1053,12 +1106,11 @@ def peak_tflops(device, dtype, given=None):
     return PEAK_TFLOPS.get(torch.cuda.get_device_name(device))
 
 
-# ==== Statistics: the t distribution, Welch's comparison, the runs a comparison needs ==========
+# ==== Statistics: the t distribution, Welch's comparison, what a comparison can resolve ========
 def t_cdf(t, df):
     """P(T <= t), Student's t, df >= 1: with t = sqrt(df) tan(u), the tail is the integral of
     cos(u)^(df-1) / B(df/2, 1/2) from atan(|t| / sqrt(df)), by Simpson's rule over 40 / sqrt(df) at
-    most (the rest is below e^-800 of it): to 2e-6 of tails above 1e-12 for df 2 to 1e5 (1e-4 for
-    df below 2, where the integrand's slope is infinite at pi/2)."""
+    most (the rest is below e^-800 of it): to 2e-6 of tails above 1e-12, df 2-1e5 (1e-4 below)."""
     start = math.atan(abs(t) / math.sqrt(df))
     u, h = np.linspace(start, min(math.pi / 2, start + 40 / math.sqrt(df)), 2001, retstep=True)
     f = np.cos(u) ** (df - 1)
@@ -1092,18 +1144,6 @@ def detectable_difference(se, df, power=0.8):
     """The smallest true difference Welch's test at the 5 % level finds with this power, from runs
     of this se and df (the shifted-t approximation of the noncentral t)."""
     return se * (t_quantile(0.975, df) + t_quantile(power, df))
-
-
-def runs_for_power(diff, std_a, std_b, power=0.8, most=100_000):
-    """Runs a side for Welch's test at the 5 % level to find a true difference diff with this
-    power; None if more than `most`."""
-    def enough(n):
-        df = (n - 1) * (std_a ** 2 + std_b ** 2) ** 2 / (std_a ** 4 + std_b ** 4)
-        se = math.sqrt((std_a ** 2 + std_b ** 2) / n)
-        return detectable_difference(se, df, power) <= abs(diff)
-
-    fewest = bisect.bisect_left(range(2, most + 1), True, key=enough) + 2  # power grows with n
-    return fewest if fewest <= most else None
 
 
 # ==== Job files: written after every run, read back by --resume, compared by --compare =========
@@ -1191,56 +1231,60 @@ def job_differences(a, b, keys=JOB_KEYS):
             if a.get(key, 'unset') != b.get(key, 'unset')]
 
 
-def compare_lines(path_a, path_b):
-    """--compare's report: each side's accuracies, B - A by Welch's t, the runs a side it needs."""
-    a, b = read_job(path_a, '--compare'), read_job(path_b, '--compare')
-    if differences := job_differences(a, b, DATA_KEYS):
-        raise UserError(f"--compare: the jobs tested on different data, {', '.join(differences)}: "
-                        'their accuracies are not comparable')
-    if any(run in b['runs'] for run in a['runs']):  # as read back: a NaN is a null
-        raise UserError(f'--compare: {path_a} and {path_b} hold the same runs (one job twice, or '
-                        'a copy of it?): a side must be a job of its own')
-    acc, lines = {}, []
-    for side, path, job in (('A', path_a, a), ('B', path_b, b)):
+def compare_lines(paths):
+    """--compare's report: each job's accuracies and mean by epoch; each job against the first (A)
+    by Welch's t: the difference, its 95 % interval, p, the smallest difference its runs find."""
+    if not 2 <= len(paths) <= 26:
+        raise UserError(f'--compare takes 2 to 26 job files (A, B, ...), not {len(paths)}')
+    jobs, sides = [read_job(path, '--compare') for path in paths], 'ABCDEFGHIJKLMNOPQRSTUVWXYZ'
+    lines, acc = [], []
+    for i, (side, path, job) in enumerate(zip(sides, paths, jobs)):
+        if differences := job_differences(jobs[0], job, DATA_KEYS):
+            raise UserError(f"--compare: {paths[0]} and {path} tested on different data, "
+                            f"{', '.join(differences)}: their accuracies are not comparable")
+        if any(run in other['runs'] for other in jobs[:i] for run in job['runs']):  # NaN: null
+            raise UserError(f'--compare: {path} holds runs of a job before it (one job twice, or '
+                            'a copy of it?): a side must be a job of its own')
         runs = job['runs']
-        acc[side] = np.array([r['accuracy'] for r in runs if not r['failed']])
-        if len(acc[side]) < 2:
-            raise UserError(f'--compare: {path} has {len(acc[side])} finished run(s); a comparison '
-                            'needs at least 2 a side (the spread of one run is unknown)')
-        failed, eager = len(runs) - len(acc[side]), sum(not r['compiled'] for r in runs)
+        acc.append(np.array([r['accuracy'] for r in runs if not r['failed']]))
+        if not len(acc[i]):
+            raise UserError(f'--compare: {path} has no finished run')
+        failed = len(runs) - len(acc[i])
         notes = [f'{failed} failed, left out'] if failed else []
         if len(runs) < job['runs_requested']:
             notes.append(f"unfinished: {len(runs)} of {job['runs_requested']} runs")
-        if job['compile'] and eager:
-            notes.append(f'{eager} trained eager, its compilation having failed')
         notes = f" ({'; '.join(notes)})" if notes else ''
-        lines.append(f'{side}  {path}: {len(acc[side])} runs{notes}, final accuracy (flip-TTA, '
-                     f'EMA) mean {100 * acc[side].mean():.2f} %, standard deviation '
-                     f'{100 * acc[side].std(ddof=1):.2f} %')
-    means = [epoch_means(job['runs']) for job in (a, b)]  # the course of training, side by side
-    lines += ['mean valid accuracy by epoch, %:', table_line(('epoch', 'A', 'B'))]
+        spread = (f'standard deviation {100 * acc[i].std(ddof=1):.2f} %' if len(acc[i]) > 1 else
+                  'one run')
+        lines.append(f"{side}  {path}: {len(acc[i])} run{'s' * (len(acc[i]) > 1)}{notes}, final "
+                     f"accuracy ({evaluated({**HYP, **job['hyperparameters']})}) mean "  # HYP: old
+                     f'{100 * acc[i].mean():.2f} %, {spread}')
+    means = [epoch_means(job['runs']) for job in jobs]  # the course of training, side by side
+    lines += ['mean valid accuracy by epoch, %:', table_line(('epoch', *sides[:len(jobs)]))]
     lines += [table_line([epoch + 1, *(f'{100 * m[epoch]:.2f}' if epoch < len(m) else '' for m in
                                        means)]) for epoch in range(max(map(len, means)))]
-    differences = job_differences(a, b, [k for k in JOB_KEYS if k != 'seed'])
-    lines.append('B differs from A in: ' + (', '.join(differences) or 'nothing it records'))
-    w = welch(acc['A'], acc['B'])
-    if w['se'] == 0:
-        return lines + ['both sides repeat one accuracy: no spread, no test']
-    low, high = w['ci95']
-    lines.append(f"B - A: {100 * w['diff']:+.3f} points, "
-                 f"95 % confidence interval [{100 * low:+.3f}, {100 * high:+.3f}] "
-                 f"(Welch, {w['df']:.1f} degrees of freedom), p = {w['p']:.2g} (two-sided)")
-    verdict = ('the interval holds 0: no difference shown at the 5 % level' if low <= 0 <= high else
-               f"B is {'higher' if w['diff'] > 0 else 'lower'} than A at the 5 % level")
-    smallest = 100 * detectable_difference(w['se'], w['df'])  # what these runs can resolve
-    resolves = (f'these runs would find a true difference of {smallest:.3f} points or more 80 % of '
-                'the time at the 5 % level')
-    n = runs_for_power(w['diff'], acc['A'].std(ddof=1), acc['B'].std(ddof=1)) if w['diff'] else 0
-    need = ('the means are equal: there is no difference to resolve' if w['diff'] == 0 else
-            (f'{n} runs a side' if n else 'more than 100,000 runs a side') +
-            f" would find a true difference of {100 * abs(w['diff']):.3f} points 80 % of the time "
-            'at the 5 % level')
-    return lines + [verdict, resolves, need]
+    for side, job, b in list(zip(sides, jobs, acc))[1:]:
+        differences = job_differences(jobs[0], job, [k for k in JOB_KEYS if k != 'seed'])
+        lines.append(f"{side} differs from A in: {', '.join(differences) or 'nothing it records'}")
+        few = min(len(acc[0]), len(b))
+        w = welch(acc[0], b) if few > 1 else {}
+        if not w.get('se'):  # one run a side, or no spread
+            lines.append(f'{side} - A: {100 * (b.mean() - acc[0].mean()):+.3f} points; no test: ' +
+                         ('it needs two runs a side' if few < 2 else 'both repeat one accuracy'))
+            continue
+        low, high = w['ci95']
+        lines.append(f"{side} - A: {100 * w['diff']:+.3f} points, 95 % confidence interval "
+                     f"[{100 * low:+.3f}, {100 * high:+.3f}] (Welch, {w['df']:.1f} degrees of "
+                     f"freedom), p = {w['p']:.2g} (two-sided)")
+        lines.append('the interval holds 0: no difference shown at the 5 % level' if low <= 0 <=
+                     high else f"{side} is {'higher' if w['diff'] > 0 else 'lower'} than A at the "
+                     '5 % level')
+        smallest = 100 * detectable_difference(w['se'], w['df'])  # what these runs can resolve
+        lines.append(f'these runs would find a true difference of {smallest:.3f} points or more 80 '
+                     '% of the time at the 5 % level' + ('; with fewer than 5 runs a side, the '
+                     'test rests on normally distributed accuracies, which so few cannot show'
+                                                         if few < 5 else ''))
+    return lines
 
 
 # ==== The command line, and main ===============================================================
@@ -1249,19 +1293,23 @@ def compare_lines(path_a, path_b):
 # horizon of ~100 steps), hence 0.9; 250 test images a batch fit a CPU's caches better than 1000.
 TINY = dict(epochs=4, batch_size=64, train_images=3000, test_images=500, channels=(8, 16, 32, 64),
             ema_momentum=0.9, whitening_images=3000, eval_batch_size=250)
-HYP_OPTIONS = ('epochs', 'batch_size', 'cutout')  # their options' None keeps HYP's (TINY's) value
-# What can make the method's run, in interval notation ('[0, 1)': 0 up to, not 1; a tuple: each).
+HYP_OPTIONS = ('epochs', 'batch_size')  # their options' None keeps HYP's (TINY's) value
+# What can make the method's run: an interval ('[0, 1)': 0 up to, not 1; a tuple: each) or a set.
 HYP_RANGES = dict(
     epochs='[1, inf)', batch_size='[1, inf)', lr_peak='(0, inf)', lr_floor='[0, inf)',
     floor_epochs='[0, inf)', momentum='[0, 1)', weight_decay='[0, inf)', bias_lr_scale='(0, inf)',
-    label_smoothing='[0, 1)', ema_momentum='[0, 1)', ema_every='[1, inf)', bn_split_size='[1, inf)',
-    celu_alpha='(0, inf)', logit_scale='(0, inf)', channels='[1, inf)', whitening_images='[1, inf)',
-    whitening_eps='(0, inf)', pad='[0, 31]', cutout='[0, 32]', augment_options='[1, inf)',
-    eval_batch_size='[1, inf)', train_images='[1, inf)', test_images='[1, inf)')
+    label_smoothing='[0, 1)', ema_momentum='[0, 1)', ema_every='[1, inf)', bn_split_size='[0, inf)',
+    bn_scale_frozen='{True, False}', celu_alpha='[0, inf)', logit_scale='(0, inf)',
+    whitening='{fixed, learned, none}', flip_tta='{True, False}', channels='[1, inf)',
+    whitening_images='[1, inf)', whitening_eps='(0, inf)', pad='[0, 31]', cutout='[0, 32]',
+    augment_options='[1, inf)', eval_batch_size='[1, inf)', train_images='[1, inf)',
+    test_images='[1, inf)')
 
 
 def within(value, interval):
-    """Whether value (each value of a tuple) lies in an interval such as '[0, 1)'."""
+    """Whether value (each value of a tuple) lies in an interval such as '[0, 1)', or a set."""
+    if interval[0] == '{':
+        return str(value) in interval[1:-1].split(', ')
     low, high = map(float, interval[1:-1].split(','))
     return all((low <= v if interval[0] == '[' else low < v) and
                (v <= high if interval[-1] == ']' else v < high) for v in np.atleast_1d(value))
@@ -1276,9 +1324,10 @@ def hyp_setting(text):
     """--set's NAME=VALUE as (NAME, VALUE), VALUE of HYP's type (a tuple: 1,2,3 or (1, 2, 3))."""
     name, equals, value = text.partition('=')
     default = HYP.get(name)
-    with contextlib.suppress(TypeError, ValueError):  # TypeError: no such name (NoneType)
+    with contextlib.suppress(TypeError, ValueError, KeyError):  # TypeError: no such name (None)
         parsed = (tuple(map(type(default[0]), value.strip('()').split(','))) if
-                  isinstance(default, tuple) else type(default)(value))
+                  isinstance(default, tuple) else {'True': True, 'False': False}[value] if
+                  isinstance(default, bool) else type(default)(value))  # bool('False') is True
         if equals and np.shape(parsed) == np.shape(default):  # a tuple of as many values
             return name, parsed
     if name not in HYP:
@@ -1311,18 +1360,17 @@ def parse_args(argv, defaults=None):
     add('--dtype', default='auto', choices=['auto', 'fp16', 'bf16', 'fp32'],
         help='auto: fp16 on cuda, else fp32')
     add('--seed', type=int, default=0, help='seed of the first run (default: 0)')
-    add('--cutout', type=int, help=f"side of a zeroed square (default: {HYP['cutout']}: none)")
     add('--set', nargs='+', action='extend', default=[], metavar='NAME=VALUE',
         type=lambda t: hyp_setting(t) and t,
         help="hyperparameters; the defaults (--tiny's: TINY) are " +  # kept as typed
-        ' '.join(f'{name}={as_typed(value)}' for name, value in HYP.items()))
+        ' '.join(f'{name}={as_typed(value)}' for name, value in HYP.items()) + "; Page's tricks "
+        'off: ' + ' '.join(f'{name}={value}' for name, value in TRICKS_OFF.values()))
     add('--tiny', action='store_true', help='an install check: a subset, a narrow net, seconds')
     add('--json', metavar='PATH', help="write the job: every run's rows, the summary")
     add('--log-tsv', metavar='PATH', help='write a DAWNBench TSV, one block of rows per run')
     add('--save', metavar='PATH', help="save the last finished run's EMA model")
     add('--resume', metavar='PATH', help="continue this --json file's job, in it, with its options")
-    add('--compare', nargs=2, metavar=('A.json', 'B.json'), help='compare two jobs; trains nothing')
-    add('--gpu-price', type=float, metavar='USD_PER_HOUR', help='also report the cost per run')
+    add('--compare', nargs='+', metavar='JOB', help='compare jobs with the first; trains nothing')
     add('--compile', action=argparse.BooleanOptionalAction, help='(default: on; off on mps, '
         "--tiny): 52 s on an H100, then cached for later processes; eager: README's Speed")
     add('--spread', choices=['batches', 'runs'], default='batches',
@@ -1340,19 +1388,18 @@ def in_notebook_cell():
 def check_options(args, hyp, world, own=()):
     """Refuse, before any work, what cannot make a sensible run: one line, '--option value: why'.
     own: the resumed job's --log-tsv and --save, which it goes on rewriting."""
-    price, peak, batch = args.gpu_price, args.peak_tflops, hyp['batch_size']
+    peak, batch = args.peak_tflops, hyp['batch_size']
     for name, value in hyp.items():
         if name in HYP_RANGES and not within(value, HYP_RANGES[name]):
             typed = name in HYP_OPTIONS and getattr(args, name) is not None  # --epochs, ...
             where = (f"--{name.replace('_', '-')} {value}" if typed else
                      f'--set {name}={as_typed(value)}')
             raise UserError(f'{where}: must be in {HYP_RANGES[name]}')
-    split = world * hyp['bn_split_size']  # each rank takes whole splits of ghost batch norm
+    split = world * (hyp['bn_split_size'] or 1)  # each rank takes whole splits of ghost batch norm
     ranks = f" x {world} ranks" if world > 1 else ''
     checks = [('--runs', args.runs, args.runs >= 1, 'must be at least 1'),
               ('--batch-size', batch, batch % split == 0, 'must be a positive multiple of '
                f"{split} (ghost batch norm's split of {hyp['bn_split_size']}{ranks})"),
-              ('--gpu-price', price, price is None or price >= 0, 'must not be negative'),
               ('--peak-tflops', peak, peak is None or peak > 0, 'must be positive'),
               ('--json', args.json, args.json is None or args.resume is None,
                '--resume goes on writing its own file: give --resume alone')]
@@ -1426,7 +1473,7 @@ class Job:
         resumed = read_job(self.path, '--resume') if args.resume else None  # now it is ours
         self.device = device = pick_device(args.device, self.local_rank if self.world > 1 else None,
                                            share=self.spread)
-        self.compiled, self.dtype = compiles(args, device), pick_dtype(args.dtype, device)
+        self.compiled, self.dtype = compiles(args, device), pick_dtype(args.dtype, device, hyp)
         if self.world > 1:
             join_process_group(device, not self.spread)  # spread: gloo, to gather finished runs
         if self.spread:  # torchrun stops every rank (SIGTERM) when one fails: end as Ctrl-C does
@@ -1504,8 +1551,6 @@ class Job:
                 'steps and 2 evaluation batches takes the one-off costs', flush=True)
             self.networks, self.compiled = compiled_warm_up(
                 self.data, hyp, self.device, self.dtype, self.compiled, log)
-        if self.device.type == 'cuda':
-            torch.cuda.reset_peak_memory_stats(self.device)  # the runs', not the warm-up's
         self.started = self.kept_at = time.perf_counter()
         width, mine = (self.world, self.rank) if self.spread else (1, 0)  # runs a round, its own
         for first in range(0, len(missing), width):
@@ -1527,7 +1572,7 @@ class Job:
         seed, live = self.args.seed + run - 1, (lambda *_, **__: None) if self.spread else self.log
         live(f'\nrun {run}/{self.args.runs} (seed {seed})\n{table_line(COLUMNS)}', flush=True)
         rows = train_run(self.data, self.networks, self.hyp, seed,
-                         lambda row: live(table_line(row.values()), flush=True))
+                         lambda row: live(table_line(row[k] for k in ROW_KEYS), flush=True))
         losses = rows[-1]['train_loss'], rows[-1]['valid_loss']
         failed = len(rows) < self.hyp['epochs'] or not all(map(math.isfinite, losses))
         record = dict(run=run, seed=seed, failed=failed, compiled=self.compiled, rows=rows,
@@ -1581,18 +1626,16 @@ class Job:
             raise UserError(f'{e}: the job stopped; fix that, then {rest}') from None
 
     def summary(self):
-        """The summary of the runs kept (read back too), the throughput, on CUDA the peak memory."""
+        """The summary of the runs kept (read back too) and the throughput."""
         args, trained = self.args, len(self.runs) - self.read_back
-        summary = summarize(self.runs, args.gpu_price, not args.tiny, self.context['flops']['run'],
-                            self.context['peak_tflops'], self.batch_ranks)
+        summary = summarize(self.runs, not args.tiny, self.context['flops']['run'],
+                            self.context['peak_tflops'], self.batch_ranks, self.hyp)
         summary['acc_by_epoch'] = epoch_means(self.runs)
         if args.resume:
             summary.update(read_back=self.read_back, resumed_from=args.resume)
         if trained:
             wall = self.kept_at - self.started  # to the end of the last run kept
             summary.update(wall_s=wall, runs_per_hour=3600 * trained / wall, ranks=self.world)
-            if self.device.type == 'cuda':
-                summary['peak_memory_gb'] = torch.cuda.max_memory_allocated(self.device) / 1e9
         return summary
 
     def end(self, status):
@@ -1625,10 +1668,9 @@ def main(argv=None):
     job, status = Job(args, argv), 0
     try:
         if args.compare:  # trains nothing: print the comparison of two jobs
-            beside = [a.split('=')[0] for a in argv if a.startswith('-') and a != '--compare']
-            if beside:
+            if beside := [a.split('=')[0] for a in argv if a.startswith('-') and a != '--compare']:
                 raise UserError(f"--compare trains nothing: {', '.join(beside)} would not be used")
-            print('\n'.join(compare_lines(*args.compare)))
+            print('\n'.join(compare_lines(args.compare)))
             return 0
         job.set_up()
         job.train()
