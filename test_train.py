@@ -2113,6 +2113,7 @@ def test_compare_by_hand(finished_job, tmp_path, capsys):
         'mean valid accuracy by epoch, %:',
         '       epoch           A           B',
         '           1       94.00       96.00',                 # the finished runs' (one epoch each)
+        '',
         'B differs from A in: cutout (0 -> 8)',
         'B - A: +2.000 points, 95 % confidence interval [-0.267, +4.267] (Welch, 4.0 degrees of freedom), '
         'p = 0.07 (two-sided)',

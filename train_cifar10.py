@@ -1265,7 +1265,7 @@ def compare_lines(paths):
                                        means)]) for epoch in range(max(map(len, means)))]
     for side, job, b in list(zip(sides, jobs, acc))[1:]:
         differences = job_differences(jobs[0], job, [k for k in JOB_KEYS if k != 'seed'])
-        lines.append(f"{side} differs from A in: {', '.join(differences) or 'nothing it records'}")
+        lines.append(f"\n{side} differs from A in: {', '.join(differences) or 'nothing it records'}")
         few = min(len(acc[0]), len(b))
         w = welch(acc[0], b) if few > 1 else {}
         if not w.get('se'):  # one run a side, or no spread
