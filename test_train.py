@@ -2154,6 +2154,12 @@ def test_compare_by_hand(finished_job, tmp_path, capsys):
         'D - A: -3.000 points; no test: it needs two runs a side')
     assert T.main(['--compare', str(b), str(e)]) == 0
     assert 'B - A: +1.000 points; no test: both repeat one accuracy' in capsys.readouterr().out
+    write_job(e, job_with(source, [0.95, 0.93, 0.94]))            # A's accuracies in another order
+    assert T.main(['--compare', str(a), str(e)]) == 0             # equal means: 0 +- 2.267, p = 1
+    assert ('0.000 points, 95 % confidence interval [-2.267, +2.267] (Welch, 4.0 degrees of freedom), p = 1 '
+            '(two-sided)\nthe interval holds 0') in capsys.readouterr().out   # 0 up to a sum's rounding, +-
+    assert T.main(['--compare', str(a), str(tmp_path / 'missing.json')]) == 1
+    assert capsys.readouterr().err == f"error: --compare {tmp_path / 'missing.json'}: no such file\n"
     assert T.main(['--compare', str(a)]) == 1
     assert capsys.readouterr().err == 'error: --compare takes 2 to 26 job files (A, B, ...), not 1\n'
 
