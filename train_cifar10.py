@@ -255,8 +255,8 @@ def conv_bn(c_in, c_out, hyp, pool=False, conv=None):
     CELU. Page 8 pools before batch norm, which then does a quarter of the work, at a cost of 0.1 %
     that one more epoch won back. CELU is smooth where ReLU bends at 0: it may help the optimiser, a
     smoother, less expressive function (Page 8: 94.1 -> 94.3 %); celu_alpha=0 is ReLU."""
-    return nn.Sequential(conv or nn.Conv2d(c_in, c_out, 3, padding=1, bias=False),
-                         *([nn.MaxPool2d(2)] if pool else []),
+    conv = nn.Conv2d(c_in, c_out, 3, padding=1, bias=False) if conv is None else conv
+    return nn.Sequential(conv, *([nn.MaxPool2d(2)] if pool else []),
                          GhostBatchNorm(c_out, hyp['bn_split_size'], hyp['bn_scale_frozen']),
                          nn.CELU(hyp['celu_alpha']) if hyp['celu_alpha'] else nn.ReLU())
 
@@ -279,8 +279,8 @@ class ResNet9(nn.Module):
     def __init__(self, whitening, hyp):
         super().__init__()
         prep, c1, c2, c3 = hyp['channels']
-        whitened = hyp['whitening'] != 'none'  # else conv_bn's own 3x3 conv, Page's before it
-        first = whitened and WhitenedPrep(whitening, prep, learned=hyp['whitening'] == 'learned')
+        learned = hyp['whitening'] == 'learned'  # 'none': conv_bn's own conv, Page's before it
+        first = None if hyp['whitening'] == 'none' else WhitenedPrep(whitening, prep, learned)
         self.prep = conv_bn(3, prep, hyp, conv=first)
         self.layer1 = nn.Sequential(conv_bn(prep, c1, hyp, pool=True), Residual(c1, hyp))
         self.layer2 = conv_bn(c1, c2, hyp, pool=True)
