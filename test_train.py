@@ -1261,16 +1261,53 @@ def test_device_names_on_a_machine_with_two_gpus(monkeypatch):
 @pytest.mark.parametrize('device', ['cpu', 'cuda', 'mps'])
 @pytest.mark.parametrize('tiny', [False, True])
 @pytest.mark.parametrize('option', [None, True, False])
-def test_compilation_and_layout_for_each_device_size_and_option(device, tiny, option):
+@pytest.mark.parametrize('batch_ranks', [1, 2])
+def test_compilation_and_layout_for_each_device_size_and_option(monkeypatch, device, tiny, option, batch_ranks):
     """Compile by default on cuda and cpu, never for --tiny (compiling takes longer than all of it)
-    nor on mps (experimental); --compile / --no-compile win. channels_last compiled, but on mps:
-    eager steps are NCHW, whose ghost batch norm is one batch_norm call."""
+    nor on mps (experimental); --compile / --no-compile win. On cuda as CUDA graphs, but where DDP
+    splits batches (pytorch#139207). channels_last compiled, but on mps: eager steps are NCHW,
+    whose ghost batch norm is one batch_norm call."""
     args = T.parse_args(['--tiny'] * tiny + {None: [], True: ['--compile'], False: ['--no-compile']}[option])
-    compile = T.compiles(args, torch.device(device))
-    assert compile == (option if option is not None else device in ('cuda', 'cpu') and not tiny)
+    compile = T.compiles(args, torch.device(device), batch_ranks)
+    on = option if option is not None else device in ('cuda', 'cpu') and not tiny
+    graphs = device == 'cuda' and batch_ranks == 1
+    assert compile == (on and ('reduce-overhead' if graphs else 'default'))
+    modes = []
+    monkeypatch.setattr(T.torch, 'compile', lambda function, **options: modes.append(options['mode']) or function)
     layout = T.Networks({**T.HYP, **T.TINY}, torch.device('cpu'), torch.float32, compile).memory_format
+    assert modes == ([compile] * 2 if on else [])                 # the training step and flip-TTA
     if device != 'mps':                                          # an mps device cannot be built here
         assert layout == (torch.channels_last if compile else torch.contiguous_format)
+
+
+def replayed_as_cuda_graphs(function, **options):
+    """torch.compile as CUDA graphs return outputs: each call's outputs live in the graph's memory,
+    which its next call (replay) overwrites; here they become NaN, so a stale read shows."""
+    outputs = []
+    def replay(*args):
+        with torch.no_grad():
+            for t in outputs:
+                t.fill_(math.nan)
+        outputs[:] = function(*args)
+        return tuple(outputs)
+    return replay
+
+
+def test_no_output_of_a_compiled_call_is_read_after_the_next_call(monkeypatch, dataset):
+    """CUDA graphs overwrite a call's outputs at the next call (a replay): a run whose loss,
+    logits and flip-TTA logits go stale then is the same run, row for row."""
+    data = T.load_cifar10(dataset / T.BATCHES_DIR)
+    hyp = {**T.HYP, **T.TINY, 'epochs': 2, 'eval_batch_size': 64}   # 4 steps and 4 test batches
+    data = {k: v[:256] if k.startswith('train') else v for k, v in data.items()}
+    runs = []
+    for compile in (lambda function, **options: function, replayed_as_cuda_graphs):
+        monkeypatch.setattr(T.torch, 'compile', compile)
+        networks = T.Networks(hyp, torch.device('cpu'), torch.float32, 'reduce-overhead')
+        runs.append(T.train_run(data, networks, hyp, 0, lambda row: None))
+    times = ('train_time', 'valid_time', 'total_time')
+    assert [{k: v for k, v in row.items() if k not in times} for row in runs[1]] == [
+        {k: v for k, v in row.items() if k not in times} for row in runs[0]]
+    assert all(math.isfinite(row['train_loss']) and row['valid_acc'] > 0.1 for row in runs[0])
 
 
 @pytest.fixture
@@ -1434,7 +1471,7 @@ def test_label_smoothing_off_is_plain_cross_entropy():
     model, hyp = small_model()
     model.eval()                                     # the same logits twice: running statistics fixed
     x, y = torch.randn(8, 3, 32, 32), torch.randint(0, 10, (8,))
-    logp = torch.log_softmax(model(x).double(), 1)
+    logp = torch.log_softmax(model(x).double(), 1).detach()
     for smoothing in (0.0, 0.2):
         expected = ((1 - smoothing) * -logp[torch.arange(8), y] + smoothing * -logp.mean(1)).sum()
         assert T.summed_loss(model, x, y, smoothing)[0].item() == pytest.approx(float(expected), rel=1e-5)
@@ -2271,7 +2308,7 @@ def test_every_setting_that_changes_a_runs_numbers_is_part_of_the_job(finished_j
     path, text = copy_of(source, tmp_path)
     no_training(monkeypatch)
     assert T.main([*options, '--runs', '3', '--compile', '--resume', str(path)]) == 1
-    assert 'differs from this one in compile (False -> True)' in capsys.readouterr().err
+    assert 'differs from this one in compile (False -> default)' in capsys.readouterr().err
     threads = torch.get_num_threads()
     with monkeypatch.context() as patch:
         patch.setattr(torch, 'get_num_threads', lambda: threads + 1)
@@ -2452,7 +2489,7 @@ data = T.load_cifar10(T.ensure_cifar10({data!r}))
 data = {{k: v[:64] if k.startswith('train') else v for k, v in data.items()}}   # 1 step of --tiny, see below
 hyp = {{**T.HYP, **T.TINY, 'epochs': 1}}
 cpu = torch.device('cpu')
-for name, compile in [('eager_nchw', False), ('compiled', True)]:
+for name, compile in [('eager_nchw', False), ('compiled', 'default')]:
     networks, compiled = T.compiled_warm_up(data, hyp, cpu, torch.float32, compile, print)
     assert compiled == compile
     rows = T.train_run(data, networks, hyp, 0, lambda row: None)
@@ -2472,7 +2509,7 @@ torch.set_num_threads(1)                          # two workers share the two co
 dtype, cpu = getattr(torch, {dtype!r}), torch.device('cpu')
 data = T.load_cifar10(T.ensure_cifar10({data!r}))
 hyp = {{**T.HYP, **T.TINY}}
-networks = T.Networks(hyp, cpu, dtype, compiled=True)
+networks = T.Networks(hyp, cpu, dtype, compiled='default')
 networks.reinitialise(T.whitening_filters(T.normalise(data['train_images'], cpu, torch.float32), 1e-2), seed=0)
 x = T.normalise(data['train_images'][:64], cpu, dtype).contiguous(memory_format=torch.channels_last)
 y = torch.from_numpy(data['train_labels'][:64])
@@ -2645,7 +2682,7 @@ def test_a_compiled_step_that_disagrees_with_eager_trains_eager_in_one_line(data
     out = capsys.readouterr().out
     lines = [line for line in out.splitlines() if 'disagrees with eager' in line]
     assert len(lines) == 1 and f'({what}' in lines[0] and lines[0].endswith('training eager instead')
-    assert 'runs: 1 finished' in out and 'torch.compile:' not in out
+    assert 'runs: 1 finished' in out and 'torch.compile (default):' not in out
 
 
 def test_the_check_passes_a_correct_compiled_step_and_names_a_wrong_loss(monkeypatch):
@@ -2661,7 +2698,7 @@ def test_every_gradient_has_its_weights_strides_in_channels_last():
     """DistributedDataParallel copies a gradient whose strides differ from its weight's (and warns
     "Grad strides do not match bucket view strides"): the prep layer's 1x1 weights, a 4-d tensor
     of 1x1 kernels, had them."""
-    networks, hyp = small_networks(compiled=True)                 # in channels_last; called eager below
+    networks, hyp = small_networks(compiled='default')                 # in channels_last; called eager below
     x = torch.randn(64, 3, 32, 32).contiguous(memory_format=torch.channels_last)
     T.summed_loss(networks.network, x, torch.arange(64) % 10, 0.2)[0].backward()
     assert all(p.grad.stride() == p.stride() for p in networks.network.parameters() if p.requires_grad)
@@ -2826,7 +2863,7 @@ for fault in ('raises', 'nan'):                   # rank 0 "compiles" at once; r
         return failing
     torch.compile = compile
     hyp = {{**T.HYP, **T.TINY, 'epochs': 1}}
-    networks, compiled = T.compiled_warm_up(data, hyp, cpu, torch.float32, True, print)
+    networks, compiled = T.compiled_warm_up(data, hyp, cpu, torch.float32, 'default', print)
     T.train_run(data, networks, hyp, 0, lambda row: None)
     print(f'{{fault}}: rank {{rank}} compiled={{compiled}}', flush=True)
     torch.save(networks.ema.state_dict(), f'{{out}}/{{fault}}_{{rank}}.pt')
@@ -3200,8 +3237,9 @@ def test_benchmark_full_width_training_steps():
     dtype = torch.float16 if device.type == 'cuda' else torch.float32
     n_steps, batch = int(os.environ.get('BENCHMARK_STEPS', 50)), 512
     hyp = dict(T.HYP)
+    default = T.compiles(T.parse_args([]), device)                # CUDA graphs on a GPU
     steps = {'eager (NCHW)': our_steps(device, dtype, False, hyp),
-             'compiled (channels_last), the default': our_steps(device, dtype, True, hyp)}
+             f'compiled ({default}), the default': our_steps(device, dtype, default, hyp)}
     if os.environ.get('PAGE_CODE'):
         steps["Page's cifar10-fast"] = page_steps(load_page_code(Path(os.environ['PAGE_CODE'])), device, dtype, batch)
     x = torch.randn(n_steps * batch, 3, 32, 32, device=device, dtype=dtype)     # distinct batches

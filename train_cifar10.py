@@ -410,8 +410,8 @@ def summed_loss(model, images, labels, label_smoothing):
 
 class Networks:
     """Built once for every run: the network trained, its fp32 EMA that is evaluated, the optimiser,
-    the loss and flip-TTA functions (torch.compile'd, in channels_last but on MPS, at fixed shapes
-    that never recompile; or eager in NCHW). reinitialise() draws a run's new weights."""
+    the loss and flip-TTA functions (compiled: torch.compile's mode, in channels_last but on MPS,
+    at fixed shapes that never recompile; False: eager in NCHW). reinitialise() draws weights."""
 
     def __init__(self, hyp, device, dtype, compiled):
         self.hyp, self.device, self.dtype = hyp, device, dtype
@@ -428,8 +428,8 @@ class Networks:
         norms = [m for m in self.network.modules() if isinstance(m, nn.BatchNorm2d)]
         self.batch_norm_statistics = [t for m in norms for t in (m.running_mean, m.running_var)]
         self.optimiser = optimiser(self.network, hyp)
-        self.summed_loss = torch.compile(summed_loss, dynamic=False) if compiled else summed_loss
-        tta = torch.compile(flip_tta_logits, dynamic=False) if compiled else flip_tta_logits
+        self.summed_loss, tta = (torch.compile(f, dynamic=False, mode=compiled) if compiled else f
+                                 for f in (summed_loss, flip_tta_logits))
         self.flip_tta_logits = in_tf32(tta) if evaluates_in_tf32(device, dtype) else tta
 
     @torch.no_grad()
@@ -719,9 +719,11 @@ def pick_dtype(name, device, hyp=HYP):
     return dtype
 
 
-def compiles(args, device):
-    """Compiled but on MPS (experimental) and for --tiny (compiling outlasts it); --compile wins."""
-    return args.compile if args.compile is not None else device.type != 'mps' and not args.tiny
+def compiles(args, device, batch_ranks=1):
+    """torch.compile's mode (False: eager): CUDA graphs on CUDA but under DDP's batch split (pytorch
+    #139207); eager on MPS (experimental) and for --tiny (compiling outlasts it); --compile wins."""
+    on = args.compile if args.compile is not None else device.type != 'mps' and not args.tiny
+    return on and ('reduce-overhead' if device.type == 'cuda' and batch_ranks == 1 else 'default')
 
 
 def evaluates_in_tf32(device, dtype):
@@ -780,7 +782,7 @@ def compiled_warm_up(data, hyp, device, dtype, compiled, log):
                 print(f'rank {rank}: {failure}' if world > 1 else failure, flush=True)
             networks, compiled = Networks(hyp, device, dtype, False), False
         else:
-            log(f'torch.compile: {time.perf_counter() - start:.1f} s, and its training step '
+            log(f'torch.compile ({compiled}): {time.perf_counter() - start:.1f} s, its step '
                 "checked against eager, before the warm-up, outside every run's time")
     train_run(data, networks, {**hyp, 'epochs': 1}, 0, lambda row: None, steps_per_epoch=2,
               test_batches=2)
@@ -1248,8 +1250,7 @@ def compare_lines(paths):
         acc.append(np.array([r['accuracy'] for r in runs if not r['failed']]))
         if not len(acc[i]):
             raise UserError(f'--compare: {path} has no finished run')
-        failed = len(runs) - len(acc[i])
-        notes = [f'{failed} failed, left out'] if failed else []
+        notes = [f'{len(runs) - len(acc[i])} failed, left out'] if len(runs) > len(acc[i]) else []
         if len(runs) < job['runs_requested']:
             notes.append(f"unfinished: {len(runs)} of {job['runs_requested']} runs")
         notes = f" ({'; '.join(notes)})" if notes else ''
@@ -1370,8 +1371,8 @@ def parse_args(argv, defaults=None):
     add('--save', metavar='PATH', help="save the last finished run's EMA model")
     add('--resume', metavar='PATH', help="continue this --json file's job, in it, with its options")
     add('--compare', nargs='+', metavar='JOB', help='compare jobs with the first; trains nothing')
-    add('--compile', action=argparse.BooleanOptionalAction, help='(default: on; off on mps, '
-        "--tiny): 52 s on an H100, then cached for later processes; eager: README's Speed")
+    add('--compile', action=argparse.BooleanOptionalAction, help='(default: on, CUDA graphs on '
+        "one GPU; off on mps, --tiny): 38 s on an H100; eager: README's Speed")
     add('--spread', choices=['batches', 'runs'], default='batches',
         help='torchrun: split each batch over the ranks, or give each rank whole runs')
     add('--peak-tflops', type=float, metavar='TFLOPS', help="the device's peak, for the MFU")
@@ -1472,7 +1473,8 @@ class Job:
         resumed = read_job(self.path, '--resume') if args.resume else None  # now it is ours
         self.device = device = pick_device(args.device, self.local_rank if self.world > 1 else None,
                                            share=self.spread)
-        self.compiled, self.dtype = compiles(args, device), pick_dtype(args.dtype, device, hyp)
+        self.compiled = compiles(args, device, self.batch_ranks)
+        self.dtype = pick_dtype(args.dtype, device, hyp)
         if self.world > 1:
             join_process_group(device, not self.spread)  # spread: gloo, to gather finished runs
         if self.spread:  # torchrun stops every rank (SIGTERM) when one fails: end as Ctrl-C does
@@ -1680,9 +1682,7 @@ def main(argv=None):
         status = 130
     finally:
         job.end(status)
-    if status:
-        return status
-    return 1 if len(job.runs) < args.runs or any(run['failed'] for run in job.runs) else 0
+    return status or int(len(job.runs) < args.runs or any(run['failed'] for run in job.runs))
 
 
 if __name__ == '__main__':
