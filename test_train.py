@@ -27,6 +27,7 @@ import sys
 import tarfile
 import tempfile
 import threading
+import time
 import traceback
 import types
 from functools import partial
@@ -665,7 +666,7 @@ def test_warm_up_makes_every_tensor_shape_of_a_run(dataset):
     data = T.load_cifar10(T.ensure_cifar10(dataset))
     hyp = {**T.HYP, **T.TINY, 'epochs': 2, 'batch_size': 128, 'eval_batch_size': 64}   # 200 test images: 64 x 3 + 8
     with ShapeLog() as warm:
-        networks, _ = T.compiled_warm_up(data, hyp, torch.device('cpu'), torch.float32, False, print)
+        networks, _, _ = T.compiled_warm_up(data, hyp, torch.device('cpu'), torch.float32, False, print)
     with ShapeLog() as run:
         T.train_run(data, networks, hyp, 0, lambda row: None)
     assert run.shapes <= warm.shapes, sorted(run.shapes - warm.shapes)
@@ -2275,6 +2276,37 @@ def test_compare_refuses_a_job_compared_with_itself(finished_job, tmp_path, caps
     assert f'{source} holds runs of a job before it' in capsys.readouterr().err
 
 
+
+def test_a_run_estimate_is_the_warm_up_steps_and_batches_scaled_to_a_run():
+    """2 warm-up steps took 10 s and 2 evaluation batches 4 s: 10 epochs of 97 steps of 5 s and 10
+    test batches of 2 s take 10 x (485 + 20) = 5050 s; a last, short test batch counts whole."""
+    warm_up = dict(train_time=10.0, valid_time=4.0)
+    assert T.run_estimate(warm_up, T.HYP, dict(train_images=range(50000), test_images=range(10000))) == 5050
+    tiny = dict(train_images=range(3000), test_images=range(501))       # 46 steps of 64, 3 test batches of 250
+    assert T.run_estimate(warm_up, {**T.HYP, **T.TINY}, tiny) == 4 * (46 * 5 + 3 * 2)
+
+
+def test_a_slow_job_says_when_it_should_end_before_each_run_and_a_fast_one_says_nothing(dataset, monkeypatch, capsys):
+    """Where a run takes over a minute: before the first run, the warm-up's estimate; before each
+    next one, the pace of the runs so far. On a fast device (--tiny here) nothing is added."""
+    options = ['--tiny', '--epochs', '1', '--runs', '3', '--data-dir', str(dataset)]
+    assert T.main(options) == 0
+    assert 'should end' not in capsys.readouterr().out
+    clock = iter(range(0, 10 ** 9, 100))                          # each reading 100 s after the last
+    monkeypatch.setattr(T.time, 'perf_counter', lambda: float(next(clock)))
+    start = time.time()
+    assert T.main(options) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if 'should end' in line or line.startswith('run ')]
+    # the warm-up's 2 steps took 100 s, its 2 test batches 100 s; a run: 1000 // 64 = 15 steps and 1
+    # test batch of 200, (15 x 100 + 1 x 100) / 2 = 800 s; 3 runs from the minute it printed: 2400 s
+    ends = {time.ctime(t + 2400)[:16] for t in (start, time.time())}
+    assert lines[0] in {f'estimate from the warm-up: a run takes about 13.3 min here: the job should end about {end}'
+                        for end in ends}
+    assert [line.split(' (')[0] for line in lines[1::2]] == ['run 1/3', 'run 2/3', 'run 3/3']
+    assert all(line.startswith('a run takes about ') and 'should end about ' in line for line in lines[2::2])
+    assert len(lines) == 6
+
+
 # ---------------------------------------------------------------------------------------------
 # A job file is never lost or misread
 # ---------------------------------------------------------------------------------------------
@@ -2490,7 +2522,7 @@ data = {{k: v[:64] if k.startswith('train') else v for k, v in data.items()}}   
 hyp = {{**T.HYP, **T.TINY, 'epochs': 1}}
 cpu = torch.device('cpu')
 for name, compile in [('eager_nchw', False), ('compiled', 'default')]:
-    networks, compiled = T.compiled_warm_up(data, hyp, cpu, torch.float32, compile, print)
+    networks, compiled, _ = T.compiled_warm_up(data, hyp, cpu, torch.float32, compile, print)
     assert compiled == compile
     rows = T.train_run(data, networks, hyp, 0, lambda row: None)
     torch.save(dict(rows=rows, net=networks.network.state_dict(), ema=networks.ema.state_dict()),
@@ -2863,7 +2895,7 @@ for fault in ('raises', 'nan'):                   # rank 0 "compiles" at once; r
         return failing
     torch.compile = compile
     hyp = {{**T.HYP, **T.TINY, 'epochs': 1}}
-    networks, compiled = T.compiled_warm_up(data, hyp, cpu, torch.float32, 'default', print)
+    networks, compiled, _ = T.compiled_warm_up(data, hyp, cpu, torch.float32, 'default', print)
     T.train_run(data, networks, hyp, 0, lambda row: None)
     print(f'{{fault}}: rank {{rank}} compiled={{compiled}}', flush=True)
     torch.save(networks.ema.state_dict(), f'{{out}}/{{fault}}_{{rank}}.pt')

@@ -756,10 +756,10 @@ def in_tf32(function):
 
 # ==== Compilation: compiled before the warm-up, checked against eager, eager if it fails =======
 def compiled_warm_up(data, hyp, device, dtype, compiled, log):
-    """Build, compile if asked and warm up the networks; returns them and whether compiled. Ranks
-    that split batches all train eager if compilation fails on one (else collectives would hang).
-    The warm-up, untimed, takes the one-off costs (CUDA context, cuDNN's search, allocations): 2
-    steps and the last 2 evaluation batches (a full one and the shorter last: a run's shapes)."""
+    """Build, compile if asked and warm up the networks; returns them, whether compiled and a run's
+    seconds as the warm-up foretells them. Ranks that split batches all train eager if compilation
+    fails on one (else collectives would hang). The warm-up, untimed, takes the one-off costs (CUDA
+    context, cuDNN's search, allocations): 2 steps and the last 2 evaluation batches."""
     networks = Networks(hyp, device, dtype, compiled)
     if compiled:  # the training step at a run's shapes and first weights, then the flip-TTA pass
         start, failure, batch = time.perf_counter(), None, hyp['batch_size'] // rank_and_world()[1]
@@ -784,9 +784,9 @@ def compiled_warm_up(data, hyp, device, dtype, compiled, log):
         else:
             log(f'torch.compile ({compiled}): {time.perf_counter() - start:.1f} s, its step '
                 "checked against eager, before the warm-up, outside every run's time")
-    train_run(data, networks, {**hyp, 'epochs': 1}, 0, lambda row: None, steps_per_epoch=2,
-              test_batches=2)
-    return networks, compiled
+    return networks, compiled, run_estimate(train_run(
+        data, networks, {**hyp, 'epochs': 1}, 0, lambda row: None, steps_per_epoch=2, test_batches=2
+    )[0], hyp, data)
 
 
 def compiled_step_disagreement(networks, x, y, hyp):
@@ -984,6 +984,13 @@ def header_lines(job, world=1, spread=False):
             *([f"Page's tricks off: {', '.join(off)}"] if off else [])]
 
 
+def run_estimate(warm_up, hyp, data):
+    """A run's seconds, as the warm-up's row (2 steps, 2 evaluation batches) foretells them."""
+    batches = math.ceil(len(data['test_images']) / rank_and_world()[1] / hyp['eval_batch_size'])
+    steps = len(data['train_images']) // hyp['batch_size']
+    return hyp['epochs'] * (steps * warm_up['train_time'] + batches * warm_up['valid_time']) / 2
+
+
 def summarize(runs, count_94=True, flops=None, peak=None, world=1, hyp=HYP):
     """Statistics of the finished runs (failed: counted, not averaged); flops: TFLOP/s and MFU."""
     finished = [r for r in runs if not r['failed']]
@@ -1086,10 +1093,8 @@ def count_flops(hyp, n_train):
 
 
 # Datasheets' dense fp16/bf16 tensor-core peaks, TFLOP/s (fp32 accumulation; half "with sparsity"),
-# by the names torch.cuda.get_device_name() gives: a variant not listed (H100 NVL, a MIG slice, a
-# laptop's RTX 4090) gets no figure rather than its family's; --peak-tflops gives one. The sheets:
-# H100's, H200's (SXM, PCIe), A100's (SXM4, PCIe), L40S's (362.05), L4's, T4's (mixed fp16/fp32),
-# V100's (SXM2); A10G: AWS's A10, the clouds'; RTX 4090: Ada's whitepaper (330 accumulating in fp16)
+# by torch.cuda.get_device_name(): a variant not listed (H100 NVL, a MIG slice, a laptop's) has
+# none (--peak-tflops gives one). A10G: AWS's A10; RTX 4090: Ada's whitepaper (330 with fp16 sums)
 PEAK_TFLOPS = {
     'NVIDIA H100 80GB HBM3': 989, 'NVIDIA H100 PCIe': 756, 'NVIDIA H200': 989,
     **dict.fromkeys(('NVIDIA A100-SXM4-40GB', 'NVIDIA A100-SXM4-80GB', 'NVIDIA A100-PCIE-40GB',
@@ -1141,16 +1146,9 @@ def welch(a, b):
                 p=2 * t_cdf(-abs(diff) / se, df))
 
 
-def detectable_difference(se, df, power=0.8):
-    """The smallest true difference Welch's test at the 5 % level finds with this power, from runs
-    of this se and df (the shifted-t approximation of the noncentral t)."""
-    return se * (t_quantile(0.975, df) + t_quantile(power, df))
-
-
 # ==== Job files: written after every run, read back by --resume, compared by --compare =========
 JOB_FORMAT = 'train_cifar10.py job, format 3'
-# A job's identity, which --resume refuses to mix and --compare shows: every setting that can change
-# a run's numbers (a CPU's device names its kernels and threads; compile: the one asked for).
+# A job's identity (--resume refuses to mix, --compare shows): what can change a run's numbers.
 DATA_KEYS = ('data', 'data_digest', 'test_images')
 JOB_KEYS = ('script_sha256', 'torch', 'device', 'ranks', 'dtype', 'fp32_math', 'compile',
             'hyperparameters', 'seed', 'train_images', *DATA_KEYS)
@@ -1279,7 +1277,8 @@ def compare_lines(paths):
         lines.append('the interval holds 0: no difference shown at the 5 % level' if low <= 0 <=
                      high else f"{side} is {'higher' if w['diff'] > 0 else 'lower'} than A at the "
                      '5 % level')
-        smallest = 100 * detectable_difference(w['se'], w['df'])  # what these runs can resolve
+        # what these runs resolve: the true difference found 80 % of the time (the shifted t)
+        smallest = 100 * w['se'] * (t_quantile(0.975, w['df']) + t_quantile(0.8, w['df']))
         lines.append(f'these runs would find a true difference of {smallest:.3f} points or more 80 '
                      '% of the time at the 5 % level' + ('; with fewer than 5 runs a side, the '
                      'test rests on normally distributed accuracies, which so few cannot show'
@@ -1288,9 +1287,8 @@ def compare_lines(paths):
 
 
 # ==== The command line, and main ===============================================================
-# --tiny: the same code path on a subset with a narrow network, so that a 2-core CPU finishes in
-# seconds and still learns well above chance. Its 184 steps are too few for an EMA at 0.99 (a
-# horizon of ~100 steps), hence 0.9; 250 test images a batch fit a CPU's caches better than 1000.
+# --tiny: the same code on a subset, narrow: seconds on 2 CPU cores, well above chance. 184 steps
+# are too few for an EMA at 0.99 (a ~100-step horizon): 0.9; 250 test images a batch fit CPU caches.
 TINY = dict(epochs=4, batch_size=64, train_images=3000, test_images=500, channels=(8, 16, 32, 64),
             ema_momentum=0.9, whitening_images=3000, eval_batch_size=250)
 HYP_OPTIONS = ('epochs', 'batch_size')  # their options' None keeps HYP's (TINY's) value
@@ -1431,7 +1429,6 @@ def output_problem(flag, path, paths, own):
     if flag != '--resume' and path not in own and os.path.exists(path):  # hours of runs, maybe
         return ('exists, and a new job overwrites no file: give another path, or ' +
                 ('--resume it if it holds this job' if flag == '--json' else 'delete it'))
-    return None
 
 
 class Job:
@@ -1541,8 +1538,7 @@ class Job:
         """Print the header and the runs read back, warm up, train the missing runs: ranks that
         split batches all the same run; under --spread runs, rounds of one run a rank."""
         args, hyp, log = self.args, self.hyp, self.log
-        if self.device.type == 'cuda':
-            torch.backends.cudnn.benchmark = True  # fixed shapes: cuDNN picks the fastest kernels
+        torch.backends.cudnn.benchmark = self.device.type == 'cuda'  # shapes fixed: time kernels
         log('\n'.join(header_lines(self.context, self.world, self.spread)))
         for run in self.runs:
             log('\n'.join(run_table_lines(run, args.runs, f', read back from {args.resume}')))
@@ -1550,14 +1546,19 @@ class Job:
         if missing:
             log(f"\n{'compilation, then ' if self.compiled else ''}warm-up: an untimed run of 2 "
                 'steps and 2 evaluation batches takes the one-off costs', flush=True)
-            self.networks, self.compiled = compiled_warm_up(
+            self.networks, self.compiled, run_s = compiled_warm_up(
                 self.data, hyp, self.device, self.dtype, self.compiled, log)
         self.started = self.kept_at = time.perf_counter()
         width, mine = (self.world, self.rank) if self.spread else (1, 0)  # runs a round, its own
         for first in range(0, len(missing), width):
+            if run_s > 60:  # a CPU, a small GPU: when the job ends, from the warm-up, then the runs
+                end = time.ctime(time.time() + run_s * len(missing[first::width]))[:16]
+                log(f"\n{'estimate from the warm-up: ' if first == 0 else ''}a run takes about "
+                    f'{run_s / 60:.3g} min here: the job should end about {end}')
             runs = missing[first:first + width]
             record = self.train_one(runs[mine]) if mine < len(runs) else None
             self.keep([record] if record else [], saved=record)
+            run_s = (self.kept_at - self.started) / (first // width + 1)
             if self.spread:  # every rank's run of the round, to every rank
                 records = [None] * self.world
                 try:
@@ -1690,9 +1691,8 @@ if __name__ == '__main__':
         status = main()
         sys.stdout.flush()  # here, not at exit: a closed pipe then fails inside the try
     except BrokenPipeError:  # the reader left (`| head`): stop quietly, as Unix tools do
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        os.dup2(devnull, sys.stderr.fileno())
+        for stream in (sys.stdout, sys.stderr):  # what exit flushes goes nowhere, not to the pipe
+            os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())
         status = 141  # 128 + SIGPIPE: what a shell reports for a tool that a closed pipe stopped
     if status and not in_notebook_cell():  # SystemExit in a cell would print a traceback
         sys.exit(status)
