@@ -1265,8 +1265,8 @@ def test_device_names_on_a_machine_with_two_gpus(monkeypatch):
 @pytest.mark.parametrize('batch_ranks', [1, 2])
 def test_compilation_and_layout_for_each_device_size_and_option(monkeypatch, device, tiny, option, batch_ranks):
     """Compile by default on cuda and cpu, never for --tiny (compiling takes longer than all of it)
-    nor on mps (experimental); --compile / --no-compile win. On cuda as CUDA graphs, but where DDP
-    splits batches (pytorch#139207). channels_last compiled, but on mps: eager steps are NCHW,
+    nor on mps (experimental); --compile / --no-compile win. On cuda as CUDA graphs, except where
+    DDP splits batches (pytorch#139207). channels_last compiled, but on mps: eager steps are NCHW,
     whose ghost batch norm is one batch_norm call."""
     args = T.parse_args(['--tiny'] * tiny + {None: [], True: ['--compile'], False: ['--no-compile']}[option])
     compile = T.compiles(args, torch.device(device), batch_ranks)
@@ -2299,7 +2299,7 @@ def test_a_slow_job_says_when_it_should_end_before_each_run_and_a_fast_one_says_
     lines = [line for line in capsys.readouterr().out.splitlines() if 'should end' in line or line.startswith('run ')]
     # the warm-up's 2 steps took 100 s, its 2 test batches 100 s; a run: 1000 // 64 = 15 steps and 1
     # test batch of 200, (15 x 100 + 1 x 100) / 2 = 800 s; 3 runs from the minute it printed: 2400 s
-    ends = {time.ctime(t + 2400)[:16] for t in (start, time.time())}
+    ends = {time.ctime(t)[:16] for t in range(int(start) + 2400, int(time.time()) + 2461, 60)}
     assert lines[0] in {f'estimate from the warm-up: a run takes about 13.3 min here: the job should end about {end}'
                         for end in ends}
     assert [line.split(' (')[0] for line in lines[1::2]] == ['run 1/3', 'run 2/3', 'run 3/3']

@@ -720,8 +720,8 @@ def pick_dtype(name, device, hyp=HYP):
 
 
 def compiles(args, device, batch_ranks=1):
-    """torch.compile's mode (False: eager): CUDA graphs on CUDA but under DDP's batch split (pytorch
-    #139207); eager on MPS (experimental) and for --tiny (compiling outlasts it); --compile wins."""
+    """torch.compile's mode (False: eager): CUDA graphs on CUDA, not under DDP's batch split
+    (pytorch#139207); eager on MPS (experimental), --tiny (compiling outlasts it); --compile wins"""
     on = args.compile if args.compile is not None else device.type != 'mps' and not args.tiny
     return on and ('reduce-overhead' if device.type == 'cuda' and batch_ranks == 1 else 'default')
 
@@ -756,10 +756,10 @@ def in_tf32(function):
 
 # ==== Compilation: compiled before the warm-up, checked against eager, eager if it fails =======
 def compiled_warm_up(data, hyp, device, dtype, compiled, log):
-    """Build, compile if asked and warm up the networks; returns them, whether compiled and a run's
-    seconds as the warm-up foretells them. Ranks that split batches all train eager if compilation
-    fails on one (else collectives would hang). The warm-up, untimed, takes the one-off costs (CUDA
-    context, cuDNN's search, allocations): 2 steps and the last 2 evaluation batches."""
+    """Build, compile if asked and warm up the networks: them, whether compiled, a run's seconds as
+    the warm-up foretells them. Ranks that split batches all train eager if compilation fails on one
+    (else collectives would hang). The warm-up, untimed, takes the one-off costs (CUDA context,
+    cuDNN's search, allocations): 2 steps and the last 2 evaluation batches; twice on a GPU."""
     networks = Networks(hyp, device, dtype, compiled)
     if compiled:  # the training step at a run's shapes and first weights, then the flip-TTA pass
         start, failure, batch = time.perf_counter(), None, hyp['batch_size'] // rank_and_world()[1]
@@ -784,9 +784,9 @@ def compiled_warm_up(data, hyp, device, dtype, compiled, log):
         else:
             log(f'torch.compile ({compiled}): {time.perf_counter() - start:.1f} s, its step '
                 "checked against eager, before the warm-up, outside every run's time")
-    return networks, compiled, run_estimate(train_run(
-        data, networks, {**hyp, 'epochs': 1}, 0, lambda row: None, steps_per_epoch=2, test_batches=2
-    )[0], hyp, data)
+    for _ in range(1 + (device.type != 'cpu')):  # a GPU's first: cuDNN's search, graphs' capture
+        row, = train_run(data, networks, {**hyp, 'epochs': 1}, 0, lambda row: None, 2, 2)
+    return networks, compiled, run_estimate(row, hyp, data)
 
 
 def compiled_step_disagreement(networks, x, y, hyp):
@@ -1370,7 +1370,7 @@ def parse_args(argv, defaults=None):
     add('--resume', metavar='PATH', help="continue this --json file's job, in it, with its options")
     add('--compare', nargs='+', metavar='JOB', help='compare jobs with the first; trains nothing')
     add('--compile', action=argparse.BooleanOptionalAction, help='(default: on, CUDA graphs on '
-        "one GPU; off on mps, --tiny): 38 s on an H100; eager: README's Speed")
+        "one GPU; off on mps, --tiny): 51 s on a fresh H100, 40 s cached; eager: README's Speed")
     add('--spread', choices=['batches', 'runs'], default='batches',
         help='torchrun: split each batch over the ranks, or give each rank whole runs')
     add('--peak-tflops', type=float, metavar='TFLOPS', help="the device's peak, for the MFU")
@@ -1554,7 +1554,7 @@ class Job:
             if run_s > 60:  # a CPU, a small GPU: when the job ends, from the warm-up, then the runs
                 end = time.ctime(time.time() + run_s * len(missing[first::width]))[:16]
                 log(f"\n{'estimate from the warm-up: ' if first == 0 else ''}a run takes about "
-                    f'{run_s / 60:.3g} min here: the job should end about {end}')
+                    f'{run_s / 60:.1f} min here: the job should end about {end}')
             runs = missing[first:first + width]
             record = self.train_one(runs[mine]) if mine < len(runs) else None
             self.keep([record] if record else [], saved=record)
