@@ -785,7 +785,8 @@ def compiled_warm_up(data, hyp, device, dtype, compiled, log):
             log(f'torch.compile ({compiled}): {time.perf_counter() - start:.1f} s, its step '
                 "checked against eager, before the warm-up, outside every run's time")
     for _ in range(1 + (device.type != 'cpu')):  # a GPU's first: cuDNN's search, graphs' capture
-        row, = train_run(data, networks, {**hyp, 'epochs': 1}, 0, lambda row: None, 2, 2)
+        row, = train_run(data, networks, {**hyp, 'epochs': 1}, 0, lambda row: None,
+                         steps_per_epoch=2, test_batches=2)
     return networks, compiled, run_estimate(row, hyp, data)
 
 
