@@ -2286,6 +2286,21 @@ def test_a_run_estimate_is_the_warm_up_steps_and_batches_scaled_to_a_run():
     assert T.run_estimate(warm_up, {**T.HYP, **T.TINY}, tiny) == 4 * (46 * 5 + 3 * 2)
 
 
+def test_only_a_cpus_warm_up_foretells_a_run(monkeypatch):
+    """A GPU's warm-up can mislead (an H100's, after a cached compile, foretold 4 min for a 5 s run):
+    there the estimate waits for a run. The same slow warm-up, on a CPU once and elsewhere twice."""
+    calls = []
+    def warm_up(data, networks, hyp, seed, on_epoch, steps_per_epoch, test_batches):
+        calls.append((hyp['epochs'], steps_per_epoch, test_batches))
+        return [dict(train_time=10.0, valid_time=4.0)]
+    monkeypatch.setattr(T, 'train_run', warm_up)
+    data = dict(train_images=range(50000), test_images=range(10000))
+    for device, estimate, runs in (('cpu', 5050, 1), ('meta', 0, 2)):  # meta: a device that is no CPU
+        calls.clear()
+        assert T.compiled_warm_up(data, T.HYP, torch.device(device), torch.float32, False, print)[1:] == (False, estimate)
+        assert calls == [(1, 2, 2)] * runs
+
+
 def test_a_slow_job_says_when_it_should_end_before_each_run_and_a_fast_one_says_nothing(dataset, monkeypatch, capsys):
     """Where a run takes over a minute: before the first run, the warm-up's estimate; before each
     next one, the pace of the runs so far. On a fast device (--tiny here) nothing is added."""

@@ -757,9 +757,9 @@ def in_tf32(function):
 # ==== Compilation: compiled before the warm-up, checked against eager, eager if it fails =======
 def compiled_warm_up(data, hyp, device, dtype, compiled, log):
     """Build, compile if asked and warm up the networks: them, whether compiled, a run's seconds as
-    the warm-up foretells them. Ranks that split batches all train eager if compilation fails on one
-    (else collectives would hang). The warm-up, untimed, takes the one-off costs (CUDA context,
-    cuDNN's search, allocations): 2 steps and the last 2 evaluation batches; twice on a GPU."""
+    a CPU's warm-up foretells them (0 elsewhere: an H100's foretold 4 min for 5 s). Ranks splitting
+    batches all train eager if compilation fails on one (else collectives hang). The untimed warm-up
+    takes one-off costs (CUDA context, cuDNN's search): 2 steps, 2 test batches; twice on a GPU."""
     networks = Networks(hyp, device, dtype, compiled)
     if compiled:  # the training step at a run's shapes and first weights, then the flip-TTA pass
         start, failure, batch = time.perf_counter(), None, hyp['batch_size'] // rank_and_world()[1]
@@ -787,7 +787,7 @@ def compiled_warm_up(data, hyp, device, dtype, compiled, log):
     for _ in range(1 + (device.type != 'cpu')):  # a GPU's first: cuDNN's search, graphs' capture
         row, = train_run(data, networks, {**hyp, 'epochs': 1}, 0, lambda row: None,
                          steps_per_epoch=2, test_batches=2)
-    return networks, compiled, run_estimate(row, hyp, data)
+    return networks, compiled, run_estimate(row, hyp, data) if device.type == 'cpu' else 0
 
 
 def compiled_step_disagreement(networks, x, y, hyp):
@@ -1552,7 +1552,7 @@ class Job:
         self.started = self.kept_at = time.perf_counter()
         width, mine = (self.world, self.rank) if self.spread else (1, 0)  # runs a round, its own
         for first in range(0, len(missing), width):
-            if run_s > 60:  # a CPU, a small GPU: when the job ends, from the warm-up, then the runs
+            if run_s > 60:  # a CPU, a small GPU: when the job ends, from a CPU's warm-up, then runs
                 end = time.ctime(time.time() + run_s * len(missing[first::width]))[:16]
                 log(f"\n{'estimate from the warm-up: ' if first == 0 else ''}a run takes about "
                     f'{run_s / 60:.1f} min here: the job should end about {end}')
