@@ -1371,7 +1371,7 @@ def parse_args(argv, defaults=None):
     add('--resume', metavar='PATH', help="continue this --json file's job, in it, with its options")
     add('--compare', nargs='+', metavar='JOB', help='compare jobs with the first; trains nothing')
     add('--compile', action=argparse.BooleanOptionalAction, help='(default: on, CUDA graphs on '
-        "one GPU; off on mps, --tiny): 51 s on a fresh H100, 40 s cached; eager: README's Speed")
+        "one GPU; off on mps, --tiny): 51 s on a fresh H100, 24 s cached; eager: README's Speed")
     add('--spread', choices=['batches', 'runs'], default='batches',
         help='torchrun: split each batch over the ranks, or give each rank whole runs')
     add('--peak-tflops', type=float, metavar='TFLOPS', help="the device's peak, for the MFU")
