@@ -552,14 +552,11 @@ CLASSES = ('airplane', 'automobile', 'bird', 'cat', 'deer', 'dog', 'frog', 'hors
 CIFAR10_URL = 'https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz'
 CIFAR10_MD5 = 'c58f30108f718f92721af3b95e74349a'
 BATCHES_DIR = 'cifar-10-batches-py'
-OFFICIAL_MD5 = {  # the batch files: five of training images, then the test images
-    'data_batch_1': 'c99cafc152244af753f735de768cd75f',
-    'data_batch_2': 'd4bba439e000b95fd0a9bffe97cbabec',
-    'data_batch_3': '54ebc095f3ab1f0389bbae665268c751',
-    'data_batch_4': '634d18415352ddfa80567beed471001a',
-    'data_batch_5': '482c414d41f54cd18b22e5b47d7c54d7',
-    'test_batch': '40351d587109b95175f43aff81a1287e',
-}
+OFFICIAL_MD5 = dict(zip(  # the batch files: five of training images, then the test images
+    ['data_batch_1', 'data_batch_2', 'data_batch_3', 'data_batch_4', 'data_batch_5', 'test_batch'],
+    ['c99cafc152244af753f735de768cd75f', 'd4bba439e000b95fd0a9bffe97cbabec',
+     '54ebc095f3ab1f0389bbae665268c751', '634d18415352ddfa80567beed471001a',
+     '482c414d41f54cd18b22e5b47d7c54d7', '40351d587109b95175f43aff81a1287e']))
 
 
 class UserError(Exception):
@@ -568,8 +565,7 @@ class UserError(Exception):
 
 def ensure_cifar10(data_dir, url=CIFAR10_URL, md5=CIFAR10_MD5):
     """The folder of the batch files, data_dir or its cifar-10-batches-py, downloaded if missing.
-    What it makes appears whole or not at all, whoever shares the disk: the archive is this
-    machine's part file renamed once its md5 is the official one, the batches a staging folder."""
+    What it makes appears whole or not at all (a part file, a staging folder), whoever shares it."""
     data_dir = Path(data_dir)
     if (data_dir / 'data_batch_1').is_file():
         return data_dir
@@ -667,8 +663,7 @@ def load_cifar10(folder):
 
 # ==== Devices and precision ====================================================================
 def pick_device(name, local_rank=None, share=False):
-    """The training device. Under torchrun (local_rank given) each rank takes the GPU of its local
-    rank; ranks that share GPUs (whole runs: --spread runs) take GPU local_rank % count."""
+    """The training device; under torchrun, its local rank's GPU (modulo the count if shared)."""
     gpus, mps, given = torch.cuda.device_count(), torch.backends.mps.is_available(), name
     if name == 'auto':
         name = 'cuda' if torch.cuda.is_available() else 'mps' if mps else 'cpu'
@@ -691,11 +686,9 @@ def pick_device(name, local_rank=None, share=False):
 
 
 def pick_dtype(name, device, hyp=HYP):
-    """The training dtype, once two steps of the recipe as hyp sets it, narrow, on random images ran
-    in it on this device. A failure is the device's (a GPU without bf16) if a bare convolution fails
-    too, else the code's, raised as it is; a GPU that emulates bf16 runs slowly but right."""
-    if name == 'auto':
-        name = 'fp16' if device.type == 'cuda' else 'fp32'
+    """The training dtype, once 2 narrow steps of the recipe ran in it: a failure is the device's
+    (no bf16) if a bare convolution fails too, else the code's; emulated bf16 is slow but right."""
+    name = ('fp16' if device.type == 'cuda' else 'fp32') if name == 'auto' else name
     dtype = dict(fp16=torch.float16, bf16=torch.bfloat16, fp32=torch.float32)[name]
     images = np.random.default_rng(0).integers(0, 256, (128, 3, 32, 32), dtype=np.uint8)
     data = dict(train_images=images, train_labels=np.arange(128) % NUM_CLASSES)
@@ -758,8 +751,7 @@ def in_tf32(function):
 def compiled_warm_up(data, hyp, device, dtype, compiled, log):
     """Build, compile if asked and warm up the networks: them, whether compiled, a run's seconds as
     a CPU's warm-up foretells them (0 elsewhere: an H100's foretold 4 min for 5 s). Ranks splitting
-    batches all train eager if compilation fails on one (else collectives hang). The untimed warm-up
-    takes one-off costs (CUDA context, cuDNN's search): 2 steps, 2 test batches; twice on a GPU."""
+    batches all train eager if compilation fails on one (else collectives hang)."""
     networks = Networks(hyp, device, dtype, compiled)
     if compiled:  # the training step at a run's shapes and first weights, then the flip-TTA pass
         start, failure, batch = time.perf_counter(), None, hyp['batch_size'] // rank_and_world()[1]
@@ -791,19 +783,16 @@ def compiled_warm_up(data, hyp, device, dtype, compiled, log):
 
 
 def compiled_step_disagreement(networks, x, y, hyp):
-    """None if the compiled step's loss and gradients on this batch are eager's to within rounding,
-    else the line that says which is not (README: the compiled step's check)."""
-    # each may differ from eager's by 4 x eager's distance from a wider reference, or 4 x the median
-    wide = torch.float64 if networks.dtype in (torch.float32, torch.float64) else torch.float32
-    wide_on = torch.device('cpu') if x.device.type == 'mps' and wide == torch.float64 else x.device
-
+    """None if the compiled step's loss and gradients are eager's within rounding, else why not."""
     def loss_and_gradients(model, loss_function, images):
         model.zero_grad()  # every .grad to None
         loss = loss_function(model, images, y.to(images.device), hyp['label_smoothing'])[0]
         loss.backward()
         grads = [p.grad for p in model.parameters() if p.requires_grad]
         return [t.detach().cpu().double() for t in [loss, *grads]]
-
+    # each may differ from eager's by 4 x eager's distance from a wider reference, or 4 x the median
+    wide = torch.float64 if networks.dtype in (torch.float32, torch.float64) else torch.float32
+    wide_on = torch.device('cpu') if x.device.type == 'mps' and wide == torch.float64 else x.device
     reference = loss_and_gradients(copy.deepcopy(networks.network).to(wide_on, wide), summed_loss,
                                    x.to(wide_on, wide))
     eager = loss_and_gradients(networks.parallel, summed_loss, x)
@@ -811,8 +800,7 @@ def compiled_step_disagreement(networks, x, y, hyp):
     if not all(torch.isfinite(t).all() for t in eager + reference):
         return None  # nothing to judge by: eager training will meet the same NaN, and say so
     sizes = [float(t.norm()) or 1.0 for t in reference]
-    rounding = [float((ours - exact).norm()) / size
-                for ours, exact, size in zip(eager, reference, sizes)]
+    rounding = [float((e - r).norm()) / size for e, r, size in zip(eager, reference, sizes)]
     floor = float(np.median(rounding))
     names = ['the loss'] + [f"{name}'s gradient" for name, p in networks.network.named_parameters()
                             if p.requires_grad]
@@ -827,8 +815,7 @@ def compiled_step_disagreement(networks, x, y, hyp):
 
 
 def compile_failure_line(error):
-    """Why a compilation failed, in one line, naming a damaged cache to delete. An error that eager
-    would meet too (out of memory, a lost rank) is raised instead."""
+    """Why a compilation failed, in one line, naming a damaged cache; eager's own errors raise."""
     chain, inner = [], error  # error, then what it wraps: inductor's inner_exception, or a cause
     while inner is not None:
         chain.append(inner)
@@ -894,8 +881,7 @@ def data_parallel(net, device):
 
 @torch.no_grad()
 def average_over_ranks(tensors):
-    """Replace each tensor by its mean over the ranks, the same on every rank, in one all-reduce
-    (none in one process)."""
+    """Replace each tensor by its mean over the ranks, the same on every rank: one all-reduce."""
     if SPLIT_BATCHES:
         flat = torch.cat([t.flatten() for t in tensors]) / dist.get_world_size()
         dist.all_reduce(flat)
@@ -959,8 +945,7 @@ def run_table_lines(run, runs_requested, source=''):
 
 
 def header_lines(job, world=1, spread=False):
-    """What a log says before its first row (job: Job.context): version, device, ranks, settings,
-    data, FLOPs."""
+    """A log's lines before its first row (job: Job.context): version, device, settings, FLOPs."""
     device, flops, peak = job['device'], job['flops'], job['peak_tflops']
     peak, hyp = f' | peak {peak:g} TFLOP/s' if peak else '', job['hyperparameters']
     off = [trick for trick, (name, value) in TRICKS_OFF.items() if hyp[name] == value]
@@ -974,9 +959,8 @@ def header_lines(job, world=1, spread=False):
     return [f"train_cifar10.py {job['script_sha256']} | torch {job['torch']} | {device}",
             f"dtype {job['dtype'].split('.')[-1]} (batch norm, evaluation fp32{fp32_math}) | "
             f"seed {job['seed']} | {job['train_images']} train / {job['test_images']} test images",
-            *textwrap.wrap(', '.join(f'{k}={v}' for k, v in job['hyperparameters'].items()), 100,
-                           initial_indent='hyperparameters: ', subsequent_indent='    ',
-                           break_long_words=False),
+            *textwrap.wrap('hyperparameters: ' + ', '.join(f'{k}={v}' for k, v in hyp.items()), 100,
+                           subsequent_indent='    ', break_long_words=False),
             f"data: {job['data']} (files' digest {job['data_digest']})",
             f"model FLOPs: {tflop['step']} a training step x {flops['steps']} steps + "
             f"{tflop['whitening']} whitening = {tflop['run']} a run{peak}",
@@ -1080,9 +1064,8 @@ def count_flops(hyp, n_train):
     """A run's model FLOPs, counted by torch on the meta device: a training step, the whitening."""
     from torch.utils.flop_counter import FlopCounterMode
     with torch.device('meta'):
-        net = ResNet9(torch.zeros(27, 3, 3, 3), hyp)
-        batch = torch.zeros(hyp['batch_size'], 3, 32, 32)
-        labels = torch.zeros(hyp['batch_size'], dtype=torch.long)
+        net, n = ResNet9(torch.zeros(27, 3, 3, 3), hyp), hyp['batch_size']
+        batch, labels = torch.zeros(n, 3, 32, 32), torch.zeros(n, dtype=torch.long)
         with FlopCounterMode(display=False) as step:
             summed_loss(net, batch, labels, hyp['label_smoothing'])[0].backward()
         with FlopCounterMode(display=False) as whitening:
@@ -1225,15 +1208,13 @@ def job_differences(a, b, keys=JOB_KEYS):
     def settings(job):
         hyp = job['hyperparameters'] if 'hyperparameters' in keys else {}
         return {**hyp, **{key: job[key] for key in keys if key != 'hyperparameters'}}
-    a, b = ({key: 'unset' if value is None else value for key, value in settings(job).items()}
-            for job in (a, b))
+    a, b = ({k: 'unset' if v is None else v for k, v in settings(job).items()} for job in (a, b))
     return [f"{key} ({a.get(key, 'unset')} -> {b.get(key, 'unset')})" for key in {**a, **b}
             if a.get(key, 'unset') != b.get(key, 'unset')]
 
 
 def compare_lines(paths):
-    """--compare's report: each job's accuracies and mean by epoch; each job against the first (A)
-    by Welch's t: the difference, its 95 % interval, p, the smallest difference its runs find."""
+    """--compare's report: each job's accuracies, and each against the first (A) by Welch's t."""
     if not 2 <= len(paths) <= 26:
         raise UserError(f'--compare takes 2 to 26 job files (A, B, ...), not {len(paths)}')
     jobs, sides = [read_job(path, '--compare') for path in paths], 'ABCDEFGHIJKLMNOPQRSTUVWXYZ'
@@ -1246,18 +1227,17 @@ def compare_lines(paths):
             raise UserError(f'--compare: {path} holds runs of a job before it (one job twice, or '
                             'a copy of it?): a side must be a job of its own')
         runs = job['runs']
-        acc.append(np.array([r['accuracy'] for r in runs if not r['failed']]))
-        if not len(acc[i]):
+        acc.append(a := np.array([r['accuracy'] for r in runs if not r['failed']]))
+        if not len(a):
             raise UserError(f'--compare: {path} has no finished run')
-        notes = [f'{len(runs) - len(acc[i])} failed, left out'] if len(runs) > len(acc[i]) else []
+        notes = [f'{len(runs) - len(a)} failed, left out'] if len(runs) > len(a) else []
         if len(runs) < job['runs_requested']:
             notes.append(f"unfinished: {len(runs)} of {job['runs_requested']} runs")
         notes = f" ({'; '.join(notes)})" if notes else ''
-        spread = (f'standard deviation {100 * acc[i].std(ddof=1):.2f} %' if len(acc[i]) > 1 else
-                  'one run')
-        lines.append(f"{side}  {path}: {len(acc[i])} run{'s' * (len(acc[i]) > 1)}{notes}, final "
+        spread = f'standard deviation {100 * a.std(ddof=1):.2f} %' if len(a) > 1 else 'one run'
+        lines.append(f"{side}  {path}: {len(a)} run{'s' * (len(a) > 1)}{notes}, final "
                      f"accuracy ({evaluated({**HYP, **job['hyperparameters']})}) mean "  # HYP: old
-                     f'{100 * acc[i].mean():.2f} %, {spread}')
+                     f'{100 * a.mean():.2f} %, {spread}')
     means = [epoch_means(job['runs']) for job in jobs]  # the course of training, side by side
     lines += ['mean valid accuracy by epoch, %:', table_line(('epoch', *sides[:len(jobs)]))]
     lines += [table_line([epoch + 1, *(f'{100 * m[epoch]:.2f}' if epoch < len(m) else '' for m in
@@ -1278,7 +1258,6 @@ def compare_lines(paths):
         lines.append('the interval holds 0: no difference shown at the 5 % level' if low <= 0 <=
                      high else f"{side} is {'higher' if w['diff'] > 0 else 'lower'} than A at the "
                      '5 % level')
-        # what these runs resolve: the true difference found 80 % of the time (the shifted t)
         smallest = 100 * w['se'] * (t_quantile(0.975, w['df']) + t_quantile(0.8, w['df']))
         lines.append(f'these runs would find a true difference of {smallest:.3f} points or more 80 '
                      '% of the time at the 5 % level' + ('; with fewer than 5 runs a side, the '
@@ -1340,8 +1319,7 @@ def hyp_setting(text):
 
 
 def parse_args(argv, defaults=None):
-    """The options, a short line each: README.md's Options table is their reference. defaults: a
-    resumed job's own options, which those in argv override."""
+    """The options, a short line each (README.md's table has more); defaults: a resumed job's."""
     doc = (__doc__ or '').split('\n\n') + ['']  # the top of this file; none under python -OO
     parser = argparse.ArgumentParser(description=doc[0].split('\n')[0], allow_abbrev=False,
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -1359,11 +1337,10 @@ def parse_args(argv, defaults=None):
     add('--dtype', default='auto', choices=['auto', 'fp16', 'bf16', 'fp32'],
         help='auto: fp16 on cuda, else fp32')
     add('--seed', type=int, default=0, help='seed of the first run (default: 0)')
-    add('--set', nargs='+', action='extend', default=[], metavar='NAME=VALUE',
-        type=lambda t: hyp_setting(t) and t,
-        help="hyperparameters; the defaults (--tiny's: TINY) are " +  # kept as typed
-        ' '.join(f'{name}={as_typed(value)}' for name, value in HYP.items()) + "; Page's tricks "
-        'off: ' + ' '.join(f'{name}={value}' for name, value in TRICKS_OFF.values()))
+    add('--set', nargs='+', action='extend', default=[], metavar='NAME=VALUE',  # kept as typed
+        type=lambda t: hyp_setting(t) and t, help="hyperparameters; the defaults (--tiny's: TINY) "
+        'are ' + ' '.join(f'{name}={as_typed(value)}' for name, value in HYP.items()) + "; Page's "
+        "tricks off: " + ' '.join(f'{name}={value}' for name, value in TRICKS_OFF.values()))
     add('--tiny', action='store_true', help='an install check: a subset, a narrow net, seconds')
     add('--json', metavar='PATH', help="write the job: every run's rows, the summary")
     add('--log-tsv', metavar='PATH', help='write a DAWNBench TSV, one block of rows per run')
@@ -1441,30 +1418,24 @@ class Job:
         self.path = args.resume or args.json  # the job file: a resumed job goes on writing its own
         self.args, self.runs, self.read_back, self.networks, self.lock = args, [], 0, None, None
 
-    def take_options(self, own):
-        """The options (a resumed job's: its file's, own, under those given here, by name), the
-        hyperparameters, the ranks' roles. Two values given here for one are refused."""
-        def given(args):  # the hyperparameters that options give, as (name, value)
-            return [(k, getattr(args, k)) for k in HYP_OPTIONS if getattr(args, k) is not None
-                    ] + list(map(hyp_setting, args.set))
-        names = [name for name, _ in given(self.args)]
-        if twice := sorted({name for name in names if names.count(name) > 1}):
-            raise UserError(f"{', '.join(twice)}: given two values (an option and --set, or twice)")
-        own = {**own, **{k: None for k in HYP_OPTIONS if k in names},  # less what is given here
-               'set': [t for t in own.get('set', []) if t.partition('=')[0] not in names]}
-        self.args = args = parse_args(self.argv, own)  # what is given here, over the file's
-        self.hyp = {**HYP, **(TINY if args.tiny else {}), **dict(given(args))}
-        self.spread = args.spread == 'runs' and self.world > 1  # a rank trains whole runs
-        self.batch_ranks = 1 if self.spread else self.world  # the ranks a batch is split over
-
     def set_up(self):
         """All that can be refused, before any training: the options and the job file, the
         device, the data and the settings that make the job; then the runs read back."""
+        def given(args):  # the hyperparameters that options give, as (name, value)
+            return [(k, getattr(args, k)) for k in HYP_OPTIONS if getattr(args, k) is not None
+                    ] + list(map(hyp_setting, args.set))
         own = {}
         if self.args.resume and os.path.isfile(self.path):  # its options; those given here win
             own = read_job(self.path, '--resume')['options']
-        self.take_options(own)
-        args, hyp = self.args, self.hyp
+        names = [name for name, _ in given(self.args)]  # two values given here for one: refused
+        if twice := sorted({name for name in names if names.count(name) > 1}):
+            raise UserError(f"{', '.join(twice)}: given two values (an option and --set, or twice)")
+        self.args = args = parse_args(self.argv, {  # the file's options under those given here
+            **own, **{k: None for k in HYP_OPTIONS if k in names},  # by name
+            'set': [t for t in own.get('set', []) if t.partition('=')[0] not in names]})
+        self.hyp = hyp = {**HYP, **(TINY if args.tiny else {}), **dict(given(args))}
+        self.spread = args.spread == 'runs' and self.world > 1  # a rank trains whole runs
+        self.batch_ranks = 1 if self.spread else self.world  # the ranks a batch is split over
         check_options(args, hyp, self.batch_ranks, {own.get('log_tsv'), own.get('save')} - {None})
         if self.path and self.rank == 0:
             self.lock = hold_job_file(self.path)  # one writer: a second job on it is refused
@@ -1477,7 +1448,17 @@ class Job:
             join_process_group(device, not self.spread)  # spread: gloo, to gather finished runs
         if self.spread:  # torchrun stops every rank (SIGTERM) when one fails: end as Ctrl-C does
             signal.signal(signal.SIGTERM, signal.default_int_handler)
-        self.data = data = self.load_data()
+        if self.world > 1 and self.local_rank != 0:  # one rank a machine downloads; others wait
+            dist.barrier()
+        folder = ensure_cifar10(args.data_dir, args.data_url, CIFAR10_MD5)
+        if self.world > 1 and self.local_rank == 0:
+            dist.barrier()
+        self.data = data = load_cifar10(folder)
+        for key in ('train_images', 'train_labels', 'test_images', 'test_labels'):  # --tiny: fewer
+            data[key] = data[key][:hyp[key.replace('labels', 'images')]]  # the first N
+        if hyp['batch_size'] > len(data['train_images']):
+            raise UserError(f"--batch-size {hyp['batch_size']}: larger than the "
+                            f"{len(data['train_images'])} training images")
         script = globals().get('__file__')  # none in a notebook cell
         self.context = dict(  # what the header, --resume and --compare read: the job's identity
             script_sha256=hashlib.sha256(Path(script).read_bytes()).hexdigest()[:16]
@@ -1491,29 +1472,11 @@ class Job:
         if self.spread:  # the ranks' runs make one job: every rank's settings must be rank 0's
             contexts = [None] * self.world
             dist.all_gather_object(contexts, self.context)
-            differences = sorted({d for c in contexts for d in job_differences(contexts[0], c)})
-            if differences:
-                raise UserError(f"the ranks differ in {', '.join(differences)} (rank 0 -> "
-                                "another): a --spread runs job's runs must be one job's; use "
-                                'machines alike')
+            if differ := sorted({d for c in contexts for d in job_differences(contexts[0], c)}):
+                raise UserError(f"the ranks differ in {', '.join(differ)} (rank 0 -> another): a "
+                                "--spread runs job's runs must be one job's; use machines alike")
         if resumed:
             self.read_back_runs(resumed)
-
-    def load_data(self):
-        """CIFAR-10, downloaded by one rank a machine (its others wait), --tiny's subset of it."""
-        args, hyp = self.args, self.hyp
-        if self.world > 1 and self.local_rank != 0:
-            dist.barrier()
-        folder = ensure_cifar10(args.data_dir, args.data_url, CIFAR10_MD5)
-        if self.world > 1 and self.local_rank == 0:
-            dist.barrier()
-        data = load_cifar10(folder)
-        for key in ('train_images', 'train_labels', 'test_images', 'test_labels'):
-            data[key] = data[key][:hyp[key.replace('labels', 'images')]]  # the first N
-        if hyp['batch_size'] > len(data['train_images']):
-            raise UserError(f"--batch-size {hyp['batch_size']}: larger than the "
-                            f"{len(data['train_images'])} training images")
-        return data
 
     def read_back_runs(self, job):
         """Take the runs of the job file resumed, if it is this job's with no run beyond --runs.
@@ -1536,8 +1499,7 @@ class Job:
                 self.write(job_file=job['runs_requested'] != self.args.runs)
 
     def train(self):
-        """Print the header and the runs read back, warm up, train the missing runs: ranks that
-        split batches all the same run; under --spread runs, rounds of one run a rank."""
+        """Header, runs read back, warm-up, the missing runs (spread: a run a rank each round)."""
         args, hyp, log = self.args, self.hyp, self.log
         torch.backends.cudnn.benchmark = self.device.type == 'cuda'  # shapes fixed: time kernels
         log('\n'.join(header_lines(self.context, self.world, self.spread)))
@@ -1576,8 +1538,7 @@ class Job:
         live(f'\nrun {run}/{self.args.runs} (seed {seed})\n{table_line(COLUMNS)}', flush=True)
         rows = train_run(self.data, self.networks, self.hyp, seed,
                          lambda row: live(table_line(row[k] for k in ROW_KEYS), flush=True))
-        losses = rows[-1]['train_loss'], rows[-1]['valid_loss']
-        failed = len(rows) < self.hyp['epochs'] or not all(map(math.isfinite, losses))
+        failed = not all(math.isfinite(rows[-1][k]) for k in ('train_loss', 'valid_loss'))  # NaN
         record = dict(run=run, seed=seed, failed=failed, compiled=self.compiled, rows=rows,
                       accuracy=rows[-1]['valid_acc'], time_s=rows[-1]['total_time'])
         if failed:
@@ -1585,8 +1546,7 @@ class Job:
         return record
 
     def keep(self, records, saved=None):
-        """Keep finished runs (each once) and on rank 0 rewrite the files, Ctrl-C held: from here
-        they are kept. A spread job's rank 0 prints their tables."""
+        """Keep new finished runs and on rank 0 rewrite the files, Ctrl-C held: from here, kept."""
         with signals_held():
             records = [r for r in records if r['run'] not in {run['run'] for run in self.runs}]
             if not records:
@@ -1599,8 +1559,7 @@ class Job:
                     self.log('\n'.join(run_table_lines(run, self.args.runs)), flush=True)
 
     def write(self, saved=None, job_file=True):
-        """Rewrite the job file, --log-tsv and --save (saved: the run whose EMA model it is). A
-        failure stops the job."""
+        """Rewrite the job file, --log-tsv and --save (saved: the run whose EMA model it is)."""
         args, runs = self.args, self.runs
         try:
             if self.path and job_file:
@@ -1642,8 +1601,7 @@ class Job:
         return summary
 
     def end(self, status):
-        """Leave the process group, release the job file, say why a stopped job stopped and what
-        goes on; print the summary of the runs kept. Ctrl-C changes nothing now."""
+        """Leave the group, release the job file, say what a stopped job left; print the summary."""
         with signals_held(discard=True):
             self.networks = None  # its DDP model holds the process group
             leave_process_group()
@@ -1651,19 +1609,16 @@ class Job:
                 os.close(self.lock)  # which releases it; the lock file stays
             if status == 130:
                 finished = f': summary of the {len(self.runs)} finished run(s)' if self.runs else ''
-                go_on = (f'; --resume {self.path} goes on' if self.path and Path(self.path).exists()
-                         else '; no run was finished: run the same command again' if self.path
-                         else '')
+                go_on = (f'; --resume {self.path} goes on' if Path(self.path).exists() else
+                         '; no run was finished: run the same command again') if self.path else ''
                 self.log(f'\ninterrupted{finished}{go_on}')
             if self.runs:
                 self.log('\n' + '\n'.join(summary_lines(self.summary())))
 
 
 def main(argv=None):
-    """Train --runs models, print the tables and the summary; returns the exit status. Only rank 0
-    prints and writes files. Ctrl-C: status 130, the finished runs' summary, no traceback."""
-    if argv is None:
-        argv = [] if in_notebook_cell() else sys.argv[1:]
+    """Train --runs models, print the tables and the summary (rank 0); returns the exit status."""
+    argv = ([] if in_notebook_cell() else sys.argv[1:]) if argv is None else argv
     try:
         args = parse_args(argv)
     except SystemExit as e:  # a usage error (2) or --help (0): a status, also in a notebook
