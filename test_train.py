@@ -1560,7 +1560,7 @@ def test_tiny_run_learns_prints_the_table_and_writes_its_files(dataset, tmp_path
     result = run_script('--tiny', '--epochs', str(epochs), '--compile', '--device', 'cpu', '--data-dir', str(data_dir),
                         '--runs', '2',
                         '--json', str(out / 'r.json'),
-                        '--log-tsv', str(out / 'r.tsv'), '--save', str(out / 'ema.pt'),
+                        '--plot', str(out / 'r.png'), '--save', str(out / 'ema.pt'),
                         env={**os.environ, 'CXX': '/nonexistent/g++'})
     assert result.returncode == 0, result.stderr
     failed = [line for line in result.stdout.splitlines() if 'torch.compile failed' in line]
@@ -1594,11 +1594,9 @@ def test_tiny_run_learns_prints_the_table_and_writes_its_files(dataset, tmp_path
     by_epoch = [np.mean([r['rows'][e]['valid_acc'] for r in report['runs']]) for e in range(epochs)]
     assert by_epoch[-1] == pytest.approx(np.mean(accuracies))
     assert 'mean by epoch: ' + ' '.join(f'{100 * a:.2f}' for a in by_epoch) + ' %' in lines   # its course
-    tsv = (out / 'r.tsv').read_text().splitlines()
-    assert tsv[0] == 'epoch\thours\ttop1Accuracy' and len(tsv) == 1 + 2 * epochs
     last = report['runs'][1]['rows'][-1]
-    assert tsv[-1].split('\t') == [str(epochs), f"{last['total_time'] / 3600:.6f}", f"{100 * last['valid_acc']:.2f}"]
-    assert sorted(p.name for p in out.iterdir()) == ['.r.json.lock', 'ema.pt', 'r.json', 'r.tsv']  # no part files
+    assert png_size(out / 'r.png') == (1200, 500)                 # 12 x 5 inches at matplotlib's 100 dpi
+    assert sorted(p.name for p in out.iterdir()) == ['.r.json.lock', 'ema.pt', 'r.json', 'r.png']  # no part files
     checkpoint = torch.load(out / 'ema.pt')                       # its normalisation: Page's, what the run used
     assert (checkpoint['mean'], checkpoint['std']) == (PAGE_MEAN, PAGE_STD)
 
@@ -1739,11 +1737,10 @@ def without_times(run):
 
 
 def test_a_job_killed_mid_way_keeps_its_results_and_resumes_where_it_stopped(dataset, tmp_path, one_process_job):
-    """SIGKILL once run 1 has finished: its record, TSV rows and model are whole on disk, and --resume
+    """SIGKILL once run 1 has finished: its record and model are whole on disk, and --resume
     trains runs 2-3 into the runs of an uninterrupted job (one_process_job's, one thread as here)."""
-    paths = {name: tmp_path / name for name in ('r.json', 'r.tsv', 'ema.pt')}
-    job = ['--tiny', '--epochs', '1', '--runs', '3', '--data-dir', str(dataset),
-           '--log-tsv', str(paths['r.tsv']), '--save', str(paths['ema.pt'])]
+    paths = {name: tmp_path / name for name in ('r.json', 'ema.pt')}
+    job = ['--tiny', '--epochs', '1', '--runs', '3', '--data-dir', str(dataset), '--save', str(paths['ema.pt'])]
     one_thread = {**os.environ, 'OMP_NUM_THREADS': '1'}
     killed = subprocess.Popen([sys.executable, '-u', str(SCRIPT), *job, '--json', str(paths['r.json'])],
                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=one_thread)
@@ -1758,7 +1755,6 @@ def test_a_job_killed_mid_way_keeps_its_results_and_resumes_where_it_stopped(dat
         killed.stdout.close()
     report = json.loads(paths['r.json'].read_text())
     assert (report['runs_finished'], report['runs_requested']) == (1, 3) and len(report['runs']) == 1
-    assert len(paths['r.tsv'].read_text().splitlines()) == 2      # the header and run 1's epoch
     assert torch.load(paths['ema.pt'])['run'] == 1
 
     resumed = subprocess.run([sys.executable, str(SCRIPT), *job, '--resume', str(paths['r.json'])],
@@ -1769,19 +1765,18 @@ def test_a_job_killed_mid_way_keeps_its_results_and_resumes_where_it_stopped(dat
     final = json.loads(paths['r.json'].read_text())
     assert (final['runs_finished'], final['runs_requested']) == (3, 3)
     assert final['runs'][0] == report['runs'][0]                  # the record written before the kill
-    assert len(paths['r.tsv'].read_text().splitlines()) == 4 and torch.load(paths['ema.pt'])['run'] == 3
+    assert torch.load(paths['ema.pt'])['run'] == 3
     uninterrupted = one_process_job['runs'][:3]                # seeds 0-2 of the same options
     assert [without_times(r) for r in final['runs']] == [without_times(r) for r in uninterrupted]
 
 
-@pytest.mark.parametrize('flag', ['--json', '--log-tsv', '--save'])
+@pytest.mark.parametrize('flag', ['--json', '--save'])
 def test_a_full_disk_stops_the_job_in_one_line_and_resume_finishes_it(dataset, tmp_path, monkeypatch, capsys, flag):
     """The second run's file meets a full disk halfway: one line saying what failed and what to do,
     a non-zero status, no temporary file, and the job file at its last good version."""
-    job, model, tsv = tmp_path / 'job.json', tmp_path / 'model.pt', tmp_path / 'r.tsv'
+    job, model = tmp_path / 'job.json', tmp_path / 'model.pt'
     options = ['--tiny', '--epochs', '1', '--data-dir', str(dataset), '--runs', '3', '--save', str(model)]
-    options += ['--log-tsv', str(tsv)] if flag == '--log-tsv' else []
-    failing = {'--json': job, '--log-tsv': tsv, '--save': model}[flag]
+    failing = {'--json': job, '--save': model}[flag]
     write_bytes, writes = Path.write_bytes, []
 
     def full_disk(self, data):
@@ -1798,13 +1793,10 @@ def test_a_full_disk_stops_the_job_in_one_line_and_resume_finishes_it(dataset, t
                                             f'job stopped; fix that, then --resume {job} trains the runs it lacks')
     assert 'Traceback' not in err and 'runs: 2 finished' in out
     assert [run['run'] for run in json.loads(job.read_text())['runs']] == ([1] if flag == '--json' else [1, 2])
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(['.job.json.lock', 'job.json', 'model.pt'] +
-                                                                 ['r.tsv'] * (flag == '--log-tsv'))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['.job.json.lock', 'job.json', 'model.pt']
     monkeypatch.undo()
     assert T.main([*options, '--resume', str(job)]) == 0
     assert [run['run'] for run in json.loads(job.read_text())['runs']] == [1, 2, 3]
-    if flag == '--log-tsv':                                       # rewritten whole: every run's row
-        assert len(tsv.read_text().splitlines()) == 1 + 3
 
 
 def test_peak_tflops_reaches_the_header_and_the_model_flop_utilisation(dataset, tmp_path, capsys):
@@ -1928,18 +1920,19 @@ def test_resume_refuses_a_file_that_is_not_a_job_of_its_own_in_one_line(finished
 
 def test_resume_of_a_finished_job_prints_its_tables_and_summary_and_trains_nothing(finished_job, monkeypatch,
                                                                                   capsys, tmp_path):
-    """Its file stays as it is, its summary too; its --log-tsv gets every run's rows."""
+    """Its file stays as it is, its summary too; --plot draws its runs."""
     source, text = copy_of(finished_job[0], tmp_path)
     options, runs = finished_job[1], T.read_job(source, '--resume')['runs']
     no_training(monkeypatch)                                      # no warm-up, no run
-    assert T.main([*options, '--runs', '2', '--resume', str(source), '--log-tsv', str(tmp_path / 'a.tsv')]) == 0
+    drawn = []
+    monkeypatch.setattr(T, 'plot_jobs', lambda path, jobs, *names: drawn.append((path, jobs[0]['runs'])))
+    assert T.main([*options, '--runs', '2', '--resume', str(source), '--plot', str(tmp_path / 'a.png')]) == 0
     out = capsys.readouterr().out
     assert out.count(f', read back from {source}') == 2 and 'untimed run' not in out
     assert out.count(T.table_line(T.COLUMNS)) == 2 and f'runs: 2 finished (2 read back from {source})\n' in out
     assert f"mean {100 * np.mean([r['accuracy'] for r in runs]):.2f} %" in out
     assert source.read_bytes() == text
-    rows = 1 + sum(len(r['rows']) for r in runs)                  # a TSV's lines: its header, a row an epoch
-    assert len((tmp_path / 'a.tsv').read_text().splitlines()) == rows
+    assert drawn == [(str(tmp_path / 'a.png'), runs)]
 
 
 @pytest.fixture
@@ -1980,15 +1973,15 @@ def test_spread_runs_needs_no_json(dataset, monkeypatch, capsys, rank_0_of_2):
 
 
 def test_resume_rewrites_its_own_files_and_no_other(finished_job, tmp_path, monkeypatch, capsys):
-    """A resumed job rewrites the --log-tsv and --save its file names; any other file that exists
-    is refused, as for a new job."""
+    """A resumed job rewrites the --save its file names; any other file that exists is refused, as
+    for a new job."""
     source, options = finished_job
     path, _ = copy_of(source, tmp_path)
-    notes = tmp_path / 'notes.tsv'
+    notes = tmp_path / 'notes.pt'
     notes.write_text('my notes')
     no_training(monkeypatch)
-    assert T.main([*options, '--runs', '2', '--resume', str(path), '--log-tsv', str(notes)]) == 1
-    assert capsys.readouterr().err == (f"error: --log-tsv '{notes}': exists, and a new job overwrites no "
+    assert T.main([*options, '--runs', '2', '--resume', str(path), '--save', str(notes)]) == 1
+    assert capsys.readouterr().err == (f"error: --save '{notes}': exists, and a new job overwrites no "
                                        'file: give another path, or delete it\n')
     assert notes.read_text() == 'my notes'
 
@@ -2141,6 +2134,100 @@ def job_with(path, accuracies, **changes):
     job.update(runs=runs, runs_finished=len(runs), runs_requested=len(runs))
     job.update(changes)
     return job
+
+
+def png_size(path):
+    """A PNG file's width and height, read from its header (the IHDR chunk)."""
+    data = Path(path).read_bytes()
+    assert data[:8] == b'\x89PNG\r\n\x1a\n' and data[12:16] == b'IHDR'
+    return int.from_bytes(data[16:20], 'big'), int.from_bytes(data[20:24], 'big')
+
+
+def drawn_job(finals, epochs=3, **options):
+    """A job's file as --plot reads it, by hand: run r's valid accuracy at epoch e is finals[r] - (epochs - e) /
+    100, its train accuracy 0.01 more, the rate 0.1 x e; None: a failed run."""
+    runs = [dict(run=r + 1, failed=final is None, rows=[
+        dict(valid_acc=(final or 0) - (epochs - e) / 100, train_acc=(final or 0) - (epochs - e) / 100 + 0.01,
+             lr=0.1 * e) for e in range(1, epochs + 1)], accuracy=final, time_s=5.0) for r, final in enumerate(finals)]
+    return dict(device='CPU (x86_64, AVX512 kernels, 2 threads)', dtype='torch.float32', runs=runs,
+                options={'tiny': False, 'epochs': None, 'batch_size': None, 'set': [], **options})
+
+
+def test_a_jobs_picture_holds_its_values(tmp_path):
+    """Read from the figure's artists: each epoch's mean and extremes of valid accuracy over the finished
+    runs, train accuracy's mean (dashed), the rate from 0; each run's final accuracy, the mean and its 95 %
+    interval (t = 4.3027 at 2 degrees of freedom); the file a PNG of 12 x 5 inches at 100 dpi."""
+    figure = T.plot_jobs(tmp_path / 'a.png', [drawn_job([0.90, 0.92, None, 0.97], set=['label_smoothing=0'])])
+    assert png_size(tmp_path / 'a.png') == (1200, 500)
+    curves, finals_axis, rate = figure.axes
+    valid = np.array([[f - 0.02, f - 0.01, f] for f in (0.90, 0.92, 0.97)]) * 100
+    mean, train = curves.get_lines()
+    np.testing.assert_allclose(mean.get_xydata(), np.c_[[1, 2, 3], valid.mean(0)])
+    np.testing.assert_allclose(train.get_ydata(), valid.mean(0) + 1)
+    assert train.get_linestyle() == '--' and mean.get_label() == '3 run(s): label_smoothing=0'
+    band = curves.collections[0].get_paths()[0].vertices
+    for epoch in (1, 2, 3):
+        at = band[band[:, 0] == epoch, 1]
+        assert (at.min(), at.max()) == pytest.approx((valid[:, epoch - 1].min(), valid[:, epoch - 1].max()))
+    np.testing.assert_allclose(rate.get_lines()[0].get_xydata(), [[0, 0], [1, 0.1], [2, 0.2], [3, 0.3]])
+    points = [line for line in finals_axis.get_lines() if line.get_marker() == 'o']
+    np.testing.assert_allclose(points[0].get_ydata(), [90, 92, 97])
+    half = 4.302652729911275 * np.std([90, 92, 97], ddof=1) / math.sqrt(3)
+    caps = sorted(y for line in finals_axis.get_lines() if line.get_marker() == '_' for y in line.get_ydata())
+    assert caps == pytest.approx(sorted([93 - half, 93, 93 + half]))
+    assert figure.texts[0].get_text() == 'CPU (x86_64, AVX512 kernels, 2 threads), float32'
+
+
+def test_a_comparisons_picture_gives_each_job_a_colour_and_its_difference_from_the_first(tmp_path, monkeypatch):
+    """B's runs 1 point above A's, of equal spread: B - A is +1.00 points, within +-2.7764 (Welch: 4
+    degrees of freedom) x 1 point x sqrt(2/3); in a notebook the figure shows under the cell too."""
+    shown = []
+    monkeypatch.setattr(T, 'in_notebook_cell', lambda: True)
+    monkeypatch.setitem(sys.modules, 'IPython.display', types.SimpleNamespace(display=shown.append))
+    jobs = [drawn_job([0.90, 0.91, 0.92]), drawn_job([0.91, 0.92, 0.93], epochs=2)]
+    figure = T.plot_jobs(tmp_path / 'ab.svg', jobs, ['A a.json, ', 'B b.json, '])
+    assert (tmp_path / 'ab.svg').read_text().lstrip().startswith('<?xml') and shown == [figure]
+    curves, finals_axis, _ = figure.axes
+    a, b = [line for line in curves.get_lines() if line.get_linestyle() == '-']
+    assert a.get_color() != b.get_color() and len(b.get_xdata()) == 2
+    assert [a.get_label(), b.get_label()] == ['A a.json, 3 run(s): the recipe', 'B b.json, 3 run(s): the recipe']
+    half = 2.7764451051977987 * math.sqrt(2 / 3)
+    assert [t.get_text() for t in finals_axis.get_xticklabels()] == [
+        'A', f'B\nB - A: +1.00\n[{1 - half:+.2f}, {1 + half:+.2f}]']
+
+
+def test_plot_through_main_for_a_comparison_and_for_a_job_without_a_finished_run(finished_job, tmp_path,
+                                                                                dataset, monkeypatch, capsys):
+    """--compare A B --plot draws; Ctrl-C in run 2 draws run 1; in run 1, nothing is drawn, and said."""
+    other = tmp_path / 'b.json'
+    write_job(other, job_with(finished_job[0], [0.3, 0.4], seed=5))
+    assert T.main(['--compare', str(finished_job[0]), str(other), '--plot', str(tmp_path / 'ab.png')]) == 0
+    assert 'B - A: ' in capsys.readouterr().out and png_size(tmp_path / 'ab.png') == (1200, 500)
+    real = T.train_run
+
+    def ctrl_c_at_seed_10(*args, **kwargs):                         # seed 10's; the warm-up's is 0
+        if args[3] == 10:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+    monkeypatch.setattr(T, 'train_run', ctrl_c_at_seed_10)
+    options = ['--tiny', '--epochs', '1', '--data-dir', str(dataset)]
+    assert T.main([*options, '--seed', '9', '--runs', '2', '--plot', str(tmp_path / 'b.png')]) == 130
+    assert 'runs: 1 finished' in capsys.readouterr().out and png_size(tmp_path / 'b.png') == (1200, 500)
+    assert T.main([*options, '--seed', '10', '--plot', str(tmp_path / 'c.png')]) == 130
+    assert f"--plot {tmp_path / 'c.png'}: no finished run to draw, nothing written" in capsys.readouterr().out
+    assert not (tmp_path / 'c.png').exists()
+
+
+def test_plot_is_refused_before_any_work_without_matplotlib(dataset, tmp_path, monkeypatch, capsys):
+    """Its import blocked: one line naming the install command, for a job and for --compare."""
+    monkeypatch.setitem(sys.modules, 'matplotlib', None)
+    monkeypatch.setitem(sys.modules, 'matplotlib.figure', None)
+    monkeypatch.setattr(T, 'pick_dtype', lambda *args: pytest.fail('work started'))
+    monkeypatch.setattr(T, 'compare_lines', lambda *args: pytest.fail('work started'))
+    for options in (['--tiny', '--data-dir', str(dataset)], ['--compare', 'a.json', 'b.json']):
+        assert T.main([*options, '--plot', str(tmp_path / 'a.png')]) == 1
+        assert capsys.readouterr().err == (f"error: --plot '{tmp_path / 'a.png'}': needs matplotlib: pip install "
+                                           'matplotlib\n')
 
 
 def test_compare_by_hand(finished_job, tmp_path, capsys):
@@ -2477,10 +2564,11 @@ def test_a_mistaken_path_gets_one_line(dataset, tmp_path, monkeypatch, capsys, a
 
 @pytest.mark.parametrize('option, path, message', [
     ('--json', 'missing/r.json', r'cannot write in its folder .*/missing \(No such file or directory\)$'),
-    ('--log-tsv', 'a_file/r.tsv', r'cannot write in its folder .*/a_file \(Not a directory\)$'),
+    ('--plot', 'a_file/r.png', r'cannot write in its folder .*/a_file \(Not a directory\)$'),
     ('--save', '.', "': a folder: give a file name$"),
     ('--save', 'a_file', "': exists, and a new job overwrites no file: give another path, or delete it$"),
-    ('--log-tsv', 'a_file', 'exists, and a new job overwrites no file'),
+    ('--plot', 'r.tsv', "': matplotlib writes .*png.*, each by its extension$"),
+    ('--plot', '.', "': a folder: give a file name$"),
 ])
 def test_output_paths_are_refused_before_any_work(dataset, tmp_path, monkeypatch, capsys, option, path, message):
     (tmp_path / 'a_file').write_text('')
@@ -2850,7 +2938,7 @@ def test_two_ranks_print_one_table_and_rank_0_writes_the_files(dataset, tmp_path
     script = tmp_path / 'counts_threads.py'
     script.write_text(COUNTS_THREADS.format(repo=str(SCRIPT.parent), out=str(tmp_path)) + 'sys.exit(T.main())\n')
     result = torchrun(script, '--tiny', '--data-dir', dataset, '--json', tmp_path / 'r.json',
-                      '--log-tsv', tmp_path / 'r.tsv', '--save', tmp_path / 'ema.pt')
+                      '--plot', tmp_path / 'r.png', '--save', tmp_path / 'ema.pt')
     assert result.returncode == 0, result.stderr
     for rank in (0, 1):
         assert_gloo_threads_joined(tmp_path / f'threads_{rank}.json')
@@ -2860,7 +2948,7 @@ def test_two_ranks_print_one_table_and_rank_0_writes_the_files(dataset, tmp_path
     report = json.loads((tmp_path / 'r.json').read_text())
     assert report['ranks'] == 2 and len(report['runs'][0]['rows']) == T.TINY['epochs']
     assert report['runs'][0]['rows'][-1]['valid_acc'] > 0.2      # chance is 0.1; 2 epochs gave 0.165-0.365 by seed
-    assert len((tmp_path / 'r.tsv').read_text().splitlines()) == 1 + T.TINY['epochs']
+    assert png_size(tmp_path / 'r.png') == (1200, 500)
     T.ResNet9(torch.zeros(27, 3, 3, 3), {**T.HYP, **T.TINY}).load_state_dict(torch.load(tmp_path / 'ema.pt')['state_dict'])
 
 
@@ -3027,10 +3115,10 @@ SPREAD = ['--tiny', '--epochs', '1', '--runs', '4']
 
 def spread_job(dataset, folder, *args, nproc=2, wait=True):
     """torchrun's ranks training whole runs of a 4-run --tiny job of one epoch, writing into folder
-    (--json, --log-tsv, --save); the finished process, or the started one if not wait."""
+    (--json, --plot, --save); the finished process, or the started one if not wait."""
     command = [sys.executable, '-m', 'torch.distributed.run', '--standalone', f'--nproc_per_node={nproc}',
-               str(SCRIPT), *SPREAD, '--spread', 'runs', '--data-dir', str(dataset), '--log-tsv',
-               str(folder / 'r.tsv'), '--save', str(folder / 'ema.pt'), *map(str, args)]
+               str(SCRIPT), *SPREAD, '--spread', 'runs', '--data-dir', str(dataset), '--plot',
+               str(folder / 'r.png'), '--save', str(folder / 'ema.pt'), *map(str, args)]
     job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                            start_new_session=True)                  # a group, as a terminal's job
     return finished(job) if wait else job
@@ -3131,13 +3219,13 @@ def test_spread_runs_train_the_runs_of_one_process_and_a_rank_that_fails_costs_o
     path, worker = tmp_path / 'r.json', tmp_path / 'worker.py'
     worker.write_text(RANK_1_FAILS_IN_RUN_4.format(repo=str(SCRIPT.parent), path=str(path)))
     result = torchrun(worker, *SPREAD, '--spread', 'runs', '--data-dir', dataset, '--json', path,
-                      '--log-tsv', tmp_path / 'r.tsv', '--save', tmp_path / 'ema.pt')
+                      '--plot', tmp_path / 'r.png', '--save', tmp_path / 'ema.pt')
     assert result.returncode != 0 and 'RuntimeError: rank 1 fails in run 4' in result.stderr
     assert '2 ranks (gloo), each training whole runs' in result.stdout
     titles = [line for line in result.stdout.splitlines() if line.startswith('run ') and ' (seed ' in line]
     assert sorted(titles) == [f'run {k}/4 (seed {k - 1})' for k in (1, 2, 3)]   # in the order they came
     assert [r['run'] for r in T.read_job(path, '--json')['runs']] == [1, 2, 3]
-    assert len((tmp_path / 'r.tsv').read_text().splitlines()) == 1 + 3
+    assert png_size(tmp_path / 'r.png') == (1200, 500)
     assert torch.load(tmp_path / 'ema.pt')['run'] == 3                       # rank 0's last: runs 1, 3
     resumed = torchrun(worker, '--resume', path, '--runs', '5')                # the job's options, 1 run more
     assert resumed.returncode == 0, resumed.stderr
@@ -3153,7 +3241,7 @@ def test_spread_runs_train_the_runs_of_one_process_and_a_rank_that_fails_costs_o
                                                           'runs_requested')}
     assert settings(job) == settings(one)                                # the same job, ranks 1
     assert (job['options']['spread'], one['options']['spread']) == ('runs', 'batches')
-    assert len((tmp_path / 'r.tsv').read_text().splitlines()) == 1 + 5
+    assert png_size(tmp_path / 'r.png') == (1200, 500)
     assert torch.load(tmp_path / 'ema.pt')['run'] == 4                       # rank 0's: run 5 is rank 1's
     assert [p.name for p in tmp_path.glob('.*')] == ['.r.json.lock']         # no rank file, no part left
 

@@ -1049,6 +1049,42 @@ def summary_lines(summary):
     return lines
 
 
+def plot_jobs(path, jobs, names=('',)):
+    """--plot, a colour a job: valid accuracy by epoch (mean, band of all runs), train (dashed), the
+    rate (faint); each run's final accuracy, the mean's 95 % interval, B - A as --compare's."""
+    if not any(not run['failed'] for job in jobs for run in job['runs']):
+        return print(f'--plot {path}: no finished run to draw, nothing written')
+    from matplotlib.figure import Figure  # only here: --plot alone needs matplotlib
+    curves, finals = Figure((12, 5), layout='constrained').subplots(1, 2, width_ratios=(2, 1))
+    figure, rate, ticks = curves.figure, curves.twinx(), []
+    for i, (name, job) in enumerate(zip(names, jobs)):
+        runs, colour, o = [r for r in job['runs'] if not r['failed']], f'C{i}', job['options']
+        valid, train, lr = (np.array([[row[k] for row in r['rows']] for r in runs]) for k in
+                            ('valid_acc', 'train_acc', 'lr'))
+        epochs, acc, s = np.arange(1, valid.shape[1] + 1), 100 * valid[:, -1], summarize(runs)
+        given = ['--tiny'] * o['tiny'] + [f'{k}={o[k]}' for k in HYP_OPTIONS if o[k]] + o['set']
+        curves.fill_between(epochs, 100 * valid.min(0), 100 * valid.max(0), color=colour, alpha=0.2)
+        curves.plot(epochs, 100 * valid.mean(0), color=colour, label=f"{name}{len(runs)} run(s): "
+                    + (' '.join(given) or 'the recipe'))
+        curves.plot(epochs, 100 * train.mean(0), '--', color=colour)
+        rate.plot([0, *epochs], [0, *lr[0]], color=colour, alpha=0.3, lw=1)
+        m, (low, high) = acc.mean(), (100 * x for x in s.get('acc_ci95', [s['acc_mean']] * 2))
+        finals.errorbar(i, m, [[m - low], [high - m]], fmt='_k', capsize=8, markersize=16)
+        finals.plot([i] * len(acc), acc, 'o', color=colour, alpha=0.5)
+        first, side = acc if i == 0 else first, name[:1]
+        w = welch(first, acc) if i and min(len(first), len(acc)) > 1 else {}
+        ticks.append(side + (f"\n{side} - A: {w['diff']:+.2f}\n[{w['ci95'][0]:+.2f}, "
+                             f"{w['ci95'][1]:+.2f}]" if w.get('se') else ''))
+    curves.set(xlabel='epoch (faint: learning rate)', ylabel='valid, train (dashed) accuracy, %')
+    curves.legend(loc='lower right')
+    finals.set(xticks=range(len(jobs)), xticklabels=ticks, ylabel='final accuracy %: runs, 95 % CI')
+    figure.suptitle(' | '.join({f"{j['device']}, {j['dtype'].split('.')[-1]}": 0 for j in jobs}))
+    figure.savefig(path)
+    if in_notebook_cell():  # under the cell too; the kernel has imported IPython.display
+        sys.modules['IPython.display'].display(figure)
+    return figure
+
+
 def device_description(device):
     """The device as the header and a job's identity name it: a CPU's kernels and threads too."""
     if device.type != 'cpu':
@@ -1343,8 +1379,8 @@ def parse_args(argv, defaults=None):
         "tricks off: " + ' '.join(f'{name}={value}' for name, value in TRICKS_OFF.values()))
     add('--tiny', action='store_true', help='an install check: a subset, a narrow net, seconds')
     add('--json', metavar='PATH', help="write the job: every run's rows, the summary")
-    add('--log-tsv', metavar='PATH', help='write a DAWNBench TSV, one block of rows per run')
     add('--save', metavar='PATH', help="save the last finished run's EMA model")
+    add('--plot', metavar='PATH', help="draw the runs (or --compare's jobs): .png, .svg, .pdf")
     add('--resume', metavar='PATH', help="continue this --json file's job, in it, with its options")
     add('--compare', nargs='+', metavar='JOB', help='compare jobs with the first; trains nothing')
     add('--compile', action=argparse.BooleanOptionalAction, help='(default: on, CUDA graphs on '
@@ -1363,7 +1399,7 @@ def in_notebook_cell():
 
 def check_options(args, hyp, world, own=()):
     """Refuse, before any work, what cannot make a sensible run: one line, '--option value: why'.
-    own: the resumed job's --log-tsv and --save, which it goes on rewriting."""
+    own: the resumed job's --save, which it goes on rewriting."""
     peak, batch = args.peak_tflops, hyp['batch_size']
     for name, value in hyp.items():
         if name in HYP_RANGES and not within(value, HYP_RANGES[name]):
@@ -1382,8 +1418,8 @@ def check_options(args, hyp, world, own=()):
     for flag, value, sensible, why in checks:
         if not sensible:
             raise UserError(f'{flag} {value!r}: {why}')
-    outputs = {'--json': args.json, '--resume': args.resume, '--log-tsv': args.log_tsv,
-               '--save': args.save}
+    outputs = {'--json': args.json, '--resume': args.resume, '--save': args.save,
+               '--plot': args.plot}
     paths = [os.path.realpath(path) for path in outputs.values() if path]
     for flag, path in outputs.items():
         if path is not None and (why := output_problem(flag, path, paths, own)):
@@ -1404,7 +1440,14 @@ def output_problem(flag, path, paths, own):
         return f'cannot write in its folder {os.path.dirname(path) or "."} ({e.strerror})'
     if flag == '--resume' and not os.path.exists(path):
         return 'no such file (a new job starts with --json)'
-    if flag != '--resume' and path not in own and os.path.exists(path):  # hours of runs, maybe
+    if flag == '--plot':  # matplotlib, and a kind of file it writes
+        try:
+            kinds = __import__('matplotlib.figure').figure.Figure().canvas.get_supported_filetypes()
+        except ImportError:
+            return 'needs matplotlib: pip install matplotlib'
+        if Path(path).suffix[1:].lower() not in kinds:
+            return f"matplotlib writes {', '.join(kinds)}, each by its extension"
+    elif flag != '--resume' and path not in own and os.path.exists(path):  # hours of runs, maybe
         return ('exists, and a new job overwrites no file: give another path, or ' +
                 ('--resume it if it holds this job' if flag == '--json' else 'delete it'))
 
@@ -1436,7 +1479,7 @@ class Job:
         self.hyp = hyp = {**HYP, **(TINY if args.tiny else {}), **dict(given(args))}
         self.spread = args.spread == 'runs' and self.world > 1  # a rank trains whole runs
         self.batch_ranks = 1 if self.spread else self.world  # the ranks a batch is split over
-        check_options(args, hyp, self.batch_ranks, {own.get('log_tsv'), own.get('save')} - {None})
+        check_options(args, hyp, self.batch_ranks, {own.get('save')} - {None})
         if self.path and self.rank == 0:
             self.lock = hold_job_file(self.path)  # one writer: a second job on it is refused
         resumed = read_job(self.path, '--resume') if args.resume else None  # now it is ours
@@ -1479,9 +1522,8 @@ class Job:
             self.read_back_runs(resumed)
 
     def read_back_runs(self, job):
-        """Take the runs of the job file resumed, if it is this job's with no run beyond --runs.
-        Rewrite it at once if it asked for other --runs (a finished job resumed as it was keeps its
-        file, summary included), and --log-tsv with the runs read back."""
+        """Take the resumed job file's runs, if it is this job's with none beyond --runs; rewrite it
+        at once if it asked for other --runs (a finished job resumed as it was keeps its file)."""
         if differences := job_differences(job, json_ready(self.context)):
             sha256s = job['script_sha256'], self.context['script_sha256']
             why = (f"that job differs from this one in {', '.join(differences)}, that job's -> "
@@ -1494,9 +1536,9 @@ class Job:
                             f"than --runs {self.args.runs}: that job asked for --runs "
                             f"{job['runs_requested']}")
         self.runs, self.read_back = job['runs'], len(job['runs'])
-        if self.rank == 0 and (job['runs_requested'] != self.args.runs or self.args.log_tsv):
+        if self.rank == 0 and job['runs_requested'] != self.args.runs:
             with signals_held():
-                self.write(job_file=job['runs_requested'] != self.args.runs)
+                self.write()
 
     def train(self):
         """Header, runs read back, warm-up, the missing runs (spread: a run a rank each round)."""
@@ -1558,22 +1600,17 @@ class Job:
                 for run in records if self.spread else []:
                     self.log('\n'.join(run_table_lines(run, self.args.runs)), flush=True)
 
-    def write(self, saved=None, job_file=True):
-        """Rewrite the job file, --log-tsv and --save (saved: the run whose EMA model it is)."""
+    def write(self, saved=None):
+        """Rewrite the job file and --save (saved: the run whose EMA model it is)."""
         args, runs = self.args, self.runs
         try:
-            if self.path and job_file:
+            if self.path:
                 options = {k: v for k, v in vars(args).items() if k not in ('json', 'resume')}
                 job = {'format': JOB_FORMAT, **json_ready(dict(
                     self.context, options=options, runs_finished=len(runs),
                     runs_requested=args.runs, runs=runs, summary=self.summary()))}
                 text = json.dumps({**job, 'sha256': job_sha256(job)}, indent=1)
                 write_atomically(self.path, text.encode(), '--json')
-            if args.log_tsv:
-                lines = ['epoch\thours\ttop1Accuracy'] + [
-                    f"{row['epoch']}\t{row['total_time'] / 3600:.6f}\t{100 * row['valid_acc']:.2f}"
-                    for run in runs for row in run['rows']]
-                write_atomically(args.log_tsv, ('\n'.join(lines) + '\n').encode(), '--log-tsv')
             if args.save and saved:  # what it takes to rebuild the model
                 state = {k: v.cpu() for k, v in self.networks.ema.state_dict().items()}
                 checkpoint = dict(state_dict=state, hyperparameters=self.hyp, classes=CLASSES,
@@ -1601,7 +1638,7 @@ class Job:
         return summary
 
     def end(self, status):
-        """Leave the group, release the job file, say what a stopped job left; print the summary."""
+        """Leave the group, release the job file, say what a stopped job left; summary, --plot."""
         with signals_held(discard=True):
             self.networks = None  # its DDP model holds the process group
             leave_process_group()
@@ -1614,6 +1651,9 @@ class Job:
                 self.log(f'\ninterrupted{finished}{go_on}')
             if self.runs:
                 self.log('\n' + '\n'.join(summary_lines(self.summary())))
+            if self.args.plot and self.rank == 0 and hasattr(self, 'started'):  # training began
+                plot_jobs(self.args.plot, [dict(self.context, options=vars(self.args),
+                                                runs=self.runs)])
 
 
 def main(argv=None):
@@ -1626,9 +1666,14 @@ def main(argv=None):
     job, status = Job(args, argv), 0
     try:
         if args.compare:  # trains nothing: print the comparison of two jobs
-            if beside := [a.split('=')[0] for a in argv if a.startswith('-') and a != '--compare']:
+            flags = [a.split('=')[0] for a in argv if a.startswith('-')]
+            if beside := [flag for flag in flags if flag not in ('--compare', '--plot')]:
                 raise UserError(f"--compare trains nothing: {', '.join(beside)} would not be used")
+            check_options(args, HYP, 1)  # --plot's file
             print('\n'.join(compare_lines(args.compare)))
+            if args.plot:
+                plot_jobs(args.plot, [read_job(path, '--compare') for path in args.compare],
+                          [f'{chr(65 + i)} {path}, ' for i, path in enumerate(args.compare)])
             return 0
         job.set_up()
         job.train()
