@@ -1595,7 +1595,7 @@ def test_tiny_run_learns_prints_the_table_and_writes_its_files(dataset, tmp_path
     assert by_epoch[-1] == pytest.approx(np.mean(accuracies))
     assert 'mean by epoch: ' + ' '.join(f'{100 * a:.2f}' for a in by_epoch) + ' %' in lines   # its course
     last = report['runs'][1]['rows'][-1]
-    assert png_size(out / 'r.png') == (1200, 500)                 # 12 x 5 inches at matplotlib's 100 dpi
+    assert png_size(out / 'r.png') == ONE_JOB_PNG and 'plot' not in report['options']   # not for --resume
     assert sorted(p.name for p in out.iterdir()) == ['.r.json.lock', 'ema.pt', 'r.json', 'r.png']  # no part files
     checkpoint = torch.load(out / 'ema.pt')                       # its normalisation: Page's, what the run used
     assert (checkpoint['mean'], checkpoint['std']) == (PAGE_MEAN, PAGE_STD)
@@ -2136,11 +2136,18 @@ def job_with(path, accuracies, **changes):
     return job
 
 
-def png_size(path):
-    """A PNG file's width and height, read from its header (the IHDR chunk)."""
-    data = Path(path).read_bytes()
+ONE_JOB_PNG = (1800, 660)  # --plot's picture of one job: 12 x (4 + 1 / 2.5) inches at 150 dpi
+
+
+def png_size_of(data):
+    """A PNG's width and height, read from its header (the IHDR chunk)."""
     assert data[:8] == b'\x89PNG\r\n\x1a\n' and data[12:16] == b'IHDR'
     return int.from_bytes(data[16:20], 'big'), int.from_bytes(data[20:24], 'big')
+
+
+def png_size(path):
+    """A PNG file's width and height."""
+    return png_size_of(Path(path).read_bytes())
 
 
 def drawn_job(finals, epochs=3, **options):
@@ -2156,9 +2163,9 @@ def drawn_job(finals, epochs=3, **options):
 def test_a_jobs_picture_holds_its_values(tmp_path):
     """Read from the figure's artists: each epoch's mean and extremes of valid accuracy over the finished
     runs, train accuracy's mean (dashed), the rate from 0; each run's final accuracy, the mean and its 95 %
-    interval (t = 4.3027 at 2 degrees of freedom); the file a PNG of 12 x 5 inches at 100 dpi."""
+    interval (t = 4.3027 at 2 degrees of freedom); the file a PNG of 12 x 4.4 inches at 150 dpi."""
     figure = T.plot_jobs(tmp_path / 'a.png', [drawn_job([0.90, 0.92, None, 0.97], set=['label_smoothing=0'])])
-    assert png_size(tmp_path / 'a.png') == (1200, 500)
+    assert png_size(tmp_path / 'a.png') == ONE_JOB_PNG
     curves, finals_axis, rate = figure.axes
     valid = np.array([[f - 0.02, f - 0.01, f] for f in (0.90, 0.92, 0.97)]) * 100
     mean, train = curves.get_lines()
@@ -2174,26 +2181,28 @@ def test_a_jobs_picture_holds_its_values(tmp_path):
     np.testing.assert_allclose(points[0].get_ydata(), [90, 92, 97])
     half = 4.302652729911275 * np.std([90, 92, 97], ddof=1) / math.sqrt(3)
     caps = sorted(y for line in finals_axis.get_lines() if line.get_marker() == '_' for y in line.get_ydata())
-    assert caps == pytest.approx(sorted([93 - half, 93, 93 + half]))
+    assert caps == pytest.approx([93 - half, 93 + half])
+    assert [line.get_ydata()[0] for line in finals_axis.get_lines() if line.get_marker() == 'D'] == pytest.approx([93])
     assert figure.texts[0].get_text() == 'CPU (x86_64, AVX512 kernels, 2 threads), float32'
 
 
 def test_a_comparisons_picture_gives_each_job_a_colour_and_its_difference_from_the_first(tmp_path, monkeypatch):
     """B's runs 1 point above A's, of equal spread: B - A is +1.00 points, within +-2.7764 (Welch: 4
-    degrees of freedom) x 1 point x sqrt(2/3); in a notebook the figure shows under the cell too."""
+    degrees of freedom) x 1 point x sqrt(2/3), in its legend; in a notebook it shows as a PNG too."""
     shown = []
     monkeypatch.setattr(T, 'in_notebook_cell', lambda: True)
-    monkeypatch.setitem(sys.modules, 'IPython.display', types.SimpleNamespace(display=shown.append))
+    monkeypatch.setitem(sys.modules, 'IPython.display', types.SimpleNamespace(display=shown.append, Image=bytes))
     jobs = [drawn_job([0.90, 0.91, 0.92]), drawn_job([0.91, 0.92, 0.93], epochs=2)]
     figure = T.plot_jobs(tmp_path / 'ab.svg', jobs, ['A a.json, ', 'B b.json, '])
-    assert (tmp_path / 'ab.svg').read_text().lstrip().startswith('<?xml') and shown == [figure]
+    assert (tmp_path / 'ab.svg').read_text().lstrip().startswith('<?xml') and len(shown) == 1
+    assert png_size_of(shown[0]) == (1200, 480)                  # at the figure's 100 dpi
     curves, finals_axis, _ = figure.axes
     a, b = [line for line in curves.get_lines() if line.get_linestyle() == '-']
     assert a.get_color() != b.get_color() and len(b.get_xdata()) == 2
-    assert [a.get_label(), b.get_label()] == ['A a.json, 3 run(s): the recipe', 'B b.json, 3 run(s): the recipe']
     half = 2.7764451051977987 * math.sqrt(2 / 3)
-    assert [t.get_text() for t in finals_axis.get_xticklabels()] == [
-        'A', f'B\nB - A: +1.00\n[{1 - half:+.2f}, {1 + half:+.2f}]']
+    assert [a.get_label(), b.get_label()] == ['A a.json, 3 run(s): the recipe', 'B b.json, 3 run(s): the recipe, '
+                                              f'B - A: +1.00 [{1 - half:+.2f}, {1 + half:+.2f}] points']
+    assert [t.get_text() for t in finals_axis.get_xticklabels()] == ['A', 'B']
 
 
 def test_plot_through_main_for_a_comparison_and_for_a_job_without_a_finished_run(finished_job, tmp_path,
@@ -2202,7 +2211,7 @@ def test_plot_through_main_for_a_comparison_and_for_a_job_without_a_finished_run
     other = tmp_path / 'b.json'
     write_job(other, job_with(finished_job[0], [0.3, 0.4], seed=5))
     assert T.main(['--compare', str(finished_job[0]), str(other), '--plot', str(tmp_path / 'ab.png')]) == 0
-    assert 'B - A: ' in capsys.readouterr().out and png_size(tmp_path / 'ab.png') == (1200, 500)
+    assert 'B - A: ' in capsys.readouterr().out and png_size(tmp_path / 'ab.png') == (1800, 720)
     real = T.train_run
 
     def ctrl_c_at_seed_10(*args, **kwargs):                         # seed 10's; the warm-up's is 0
@@ -2212,7 +2221,7 @@ def test_plot_through_main_for_a_comparison_and_for_a_job_without_a_finished_run
     monkeypatch.setattr(T, 'train_run', ctrl_c_at_seed_10)
     options = ['--tiny', '--epochs', '1', '--data-dir', str(dataset)]
     assert T.main([*options, '--seed', '9', '--runs', '2', '--plot', str(tmp_path / 'b.png')]) == 130
-    assert 'runs: 1 finished' in capsys.readouterr().out and png_size(tmp_path / 'b.png') == (1200, 500)
+    assert 'runs: 1 finished' in capsys.readouterr().out and png_size(tmp_path / 'b.png') == ONE_JOB_PNG
     assert T.main([*options, '--seed', '10', '--plot', str(tmp_path / 'c.png')]) == 130
     assert f"--plot {tmp_path / 'c.png'}: no finished run to draw, nothing written" in capsys.readouterr().out
     assert not (tmp_path / 'c.png').exists()
@@ -2948,7 +2957,7 @@ def test_two_ranks_print_one_table_and_rank_0_writes_the_files(dataset, tmp_path
     report = json.loads((tmp_path / 'r.json').read_text())
     assert report['ranks'] == 2 and len(report['runs'][0]['rows']) == T.TINY['epochs']
     assert report['runs'][0]['rows'][-1]['valid_acc'] > 0.2      # chance is 0.1; 2 epochs gave 0.165-0.365 by seed
-    assert png_size(tmp_path / 'r.png') == (1200, 500)
+    assert png_size(tmp_path / 'r.png') == ONE_JOB_PNG
     T.ResNet9(torch.zeros(27, 3, 3, 3), {**T.HYP, **T.TINY}).load_state_dict(torch.load(tmp_path / 'ema.pt')['state_dict'])
 
 
@@ -3225,9 +3234,10 @@ def test_spread_runs_train_the_runs_of_one_process_and_a_rank_that_fails_costs_o
     titles = [line for line in result.stdout.splitlines() if line.startswith('run ') and ' (seed ' in line]
     assert sorted(titles) == [f'run {k}/4 (seed {k - 1})' for k in (1, 2, 3)]   # in the order they came
     assert [r['run'] for r in T.read_job(path, '--json')['runs']] == [1, 2, 3]
-    assert png_size(tmp_path / 'r.png') == (1200, 500)
+    assert png_size(tmp_path / 'r.png') == ONE_JOB_PNG
     assert torch.load(tmp_path / 'ema.pt')['run'] == 3                       # rank 0's last: runs 1, 3
-    resumed = torchrun(worker, '--resume', path, '--runs', '5')                # the job's options, 1 run more
+    (tmp_path / 'r.png').unlink()                                           # drawn again, from 5 runs
+    resumed = torchrun(worker, '--resume', path, '--runs', '5', '--plot', tmp_path / 'r.png')   # 1 run more
     assert resumed.returncode == 0, resumed.stderr
     assert resumed.stdout.count('run 4/5 (seed 3)') == resumed.stdout.count('run 5/5 (seed 4)') == 1
     assert 'runs: 5 finished (3 read back' in resumed.stdout
@@ -3241,7 +3251,7 @@ def test_spread_runs_train_the_runs_of_one_process_and_a_rank_that_fails_costs_o
                                                           'runs_requested')}
     assert settings(job) == settings(one)                                # the same job, ranks 1
     assert (job['options']['spread'], one['options']['spread']) == ('runs', 'batches')
-    assert png_size(tmp_path / 'r.png') == (1200, 500)
+    assert png_size(tmp_path / 'r.png') == ONE_JOB_PNG
     assert torch.load(tmp_path / 'ema.pt')['run'] == 4                       # rank 0's: run 5 is rank 1's
     assert [p.name for p in tmp_path.glob('.*')] == ['.r.json.lock']         # no rank file, no part left
 

@@ -1051,37 +1051,38 @@ def summary_lines(summary):
 
 def plot_jobs(path, jobs, names=('',)):
     """--plot, a colour a job: valid accuracy by epoch (mean, band of all runs), train (dashed), the
-    rate (faint); each run's final accuracy, the mean's 95 % interval, B - A as --compare's."""
+    rate (faint); each run's final accuracy, the mean, its 95 % interval; B - A as --compare's."""
     if not any(not run['failed'] for job in jobs for run in job['runs']):
         return print(f'--plot {path}: no finished run to draw, nothing written')
     from matplotlib.figure import Figure  # only here: --plot alone needs matplotlib
-    curves, finals = Figure((12, 5), layout='constrained').subplots(1, 2, width_ratios=(2, 1))
-    figure, rate, ticks = curves.figure, curves.twinx(), []
+    curves, finals = Figure((12, 4 + len(jobs) / 2.5), layout='constrained').subplots(1, 2)
+    figure, rate = curves.figure, curves.twinx()
     for i, (name, job) in enumerate(zip(names, jobs)):
         runs, colour, o = [r for r in job['runs'] if not r['failed']], f'C{i}', job['options']
         valid, train, lr = (np.array([[row[k] for row in r['rows']] for r in runs]) for k in
                             ('valid_acc', 'train_acc', 'lr'))
         epochs, acc, s = np.arange(1, valid.shape[1] + 1), 100 * valid[:, -1], summarize(runs)
         given = ['--tiny'] * o['tiny'] + [f'{k}={o[k]}' for k in HYP_OPTIONS if o[k]] + o['set']
+        first = acc if i == 0 else first
+        w = welch(first, acc) if i and min(len(first), len(acc)) > 1 else {}
+        label = f"{name}{len(runs)} run(s): {' '.join(given) or 'the recipe'}" + (
+            ", {} - A: {:+.2f} [{:+.2f}, {:+.2f}] points".format(name[:1], w['diff'], *w['ci95'])
+            if w.get('se') else '')
         curves.fill_between(epochs, 100 * valid.min(0), 100 * valid.max(0), color=colour, alpha=0.2)
-        curves.plot(epochs, 100 * valid.mean(0), color=colour, label=f"{name}{len(runs)} run(s): "
-                    + (' '.join(given) or 'the recipe'))
-        curves.plot(epochs, 100 * train.mean(0), '--', color=colour)
+        curves.plot(epochs, 100 * valid.mean(0), '.-', color=colour, label=label)
+        curves.plot(epochs, 100 * train.mean(0), '.--', color=colour)
         rate.plot([0, *epochs], [0, *lr[0]], color=colour, alpha=0.3, lw=1)
         m, (low, high) = acc.mean(), (100 * x for x in s.get('acc_ci95', [s['acc_mean']] * 2))
-        finals.errorbar(i, m, [[m - low], [high - m]], fmt='_k', capsize=8, markersize=16)
+        finals.errorbar(i, m, [[m - low], [high - m]], fmt='D', color='k', capsize=8)
         finals.plot([i] * len(acc), acc, 'o', color=colour, alpha=0.5)
-        first, side = acc if i == 0 else first, name[:1]
-        w = welch(first, acc) if i and min(len(first), len(acc)) > 1 else {}
-        ticks.append(side + (f"\n{side} - A: {w['diff']:+.2f}\n[{w['ci95'][0]:+.2f}, "
-                             f"{w['ci95'][1]:+.2f}]" if w.get('se') else ''))
-    curves.set(xlabel='epoch (faint: learning rate)', ylabel='valid, train (dashed) accuracy, %')
-    curves.legend(loc='lower right')
-    finals.set(xticks=range(len(jobs)), xticklabels=ticks, ylabel='final accuracy %: runs, 95 % CI')
+    curves.set(xlabel="epoch (faint: the learning rate at each epoch's end)", ylabel='accuracy, %')
+    finals.set(xticks=range(len(jobs)), xticklabels=[n[:1] for n in names], ylabel='final, %')
+    figure.legend(loc='outside lower center')
     figure.suptitle(' | '.join({f"{j['device']}, {j['dtype'].split('.')[-1]}": 0 for j in jobs}))
-    figure.savefig(path)
-    if in_notebook_cell():  # under the cell too; the kernel has imported IPython.display
-        sys.modules['IPython.display'].display(figure)
+    figure.savefig(path, dpi=150)
+    if in_notebook_cell():  # under the cell too, as a PNG: a bare Figure shows there as text
+        from IPython.display import Image, display
+        display(Image(figure.savefig(buffer := io.BytesIO(), format='png') or buffer.getvalue()))
     return figure
 
 
@@ -1249,7 +1250,7 @@ def job_differences(a, b, keys=JOB_KEYS):
             if a.get(key, 'unset') != b.get(key, 'unset')]
 
 
-def compare_lines(paths):
+def compare_lines(paths, plot=None):
     """--compare's report: each job's accuracies, and each against the first (A) by Welch's t."""
     if not 2 <= len(paths) <= 26:
         raise UserError(f'--compare takes 2 to 26 job files (A, B, ...), not {len(paths)}')
@@ -1299,6 +1300,8 @@ def compare_lines(paths):
                      '% of the time at the 5 % level' + ('; with fewer than 5 runs a side, the '
                      'test rests on normally distributed accuracies, which so few cannot show'
                                                          if few < 5 else ''))
+    if plot:  # --plot: the jobs, each in a colour, each against the first
+        plot_jobs(plot, jobs, [f'{side} {path}, ' for side, path in zip(sides, paths)])
     return lines
 
 
@@ -1605,9 +1608,9 @@ class Job:
         args, runs = self.args, self.runs
         try:
             if self.path:
-                options = {k: v for k, v in vars(args).items() if k not in ('json', 'resume')}
+                o = {k: v for k, v in vars(args).items() if k not in ('json', 'resume', 'plot')}
                 job = {'format': JOB_FORMAT, **json_ready(dict(
-                    self.context, options=options, runs_finished=len(runs),
+                    self.context, options=o, runs_finished=len(runs),
                     runs_requested=args.runs, runs=runs, summary=self.summary()))}
                 text = json.dumps({**job, 'sha256': job_sha256(job)}, indent=1)
                 write_atomically(self.path, text.encode(), '--json')
@@ -1651,7 +1654,7 @@ class Job:
                 self.log(f'\ninterrupted{finished}{go_on}')
             if self.runs:
                 self.log('\n' + '\n'.join(summary_lines(self.summary())))
-            if self.args.plot and self.rank == 0 and hasattr(self, 'started'):  # training began
+            if self.args.plot and self.rank == 0 and (self.runs or hasattr(self, 'started')):
                 plot_jobs(self.args.plot, [dict(self.context, options=vars(self.args),
                                                 runs=self.runs)])
 
@@ -1670,10 +1673,7 @@ def main(argv=None):
             if beside := [flag for flag in flags if flag not in ('--compare', '--plot')]:
                 raise UserError(f"--compare trains nothing: {', '.join(beside)} would not be used")
             check_options(args, HYP, 1)  # --plot's file
-            print('\n'.join(compare_lines(args.compare)))
-            if args.plot:
-                plot_jobs(args.plot, [read_job(path, '--compare') for path in args.compare],
-                          [f'{chr(65 + i)} {path}, ' for i, path in enumerate(args.compare)])
+            print('\n'.join(compare_lines(args.compare, args.plot)))
             return 0
         job.set_up()
         job.train()
