@@ -2229,8 +2229,8 @@ def test_plot_through_main_for_a_comparison_and_for_a_job_without_a_finished_run
 
 def test_plot_is_refused_before_any_work_without_matplotlib(dataset, tmp_path, monkeypatch, capsys):
     """Its import blocked: one line naming the install command, for a job and for --compare."""
-    monkeypatch.setitem(sys.modules, 'matplotlib', None)
-    monkeypatch.setitem(sys.modules, 'matplotlib.figure', None)
+    for name in ['matplotlib', *(n for n in list(sys.modules) if n.startswith('matplotlib.'))]:
+        monkeypatch.setitem(sys.modules, name, None)              # each of its modules, loaded or not
     monkeypatch.setattr(T, 'pick_dtype', lambda *args: pytest.fail('work started'))
     monkeypatch.setattr(T, 'compare_lines', lambda *args: pytest.fail('work started'))
     for options in (['--tiny', '--data-dir', str(dataset)], ['--compare', 'a.json', 'b.json']):

@@ -1445,10 +1445,10 @@ def output_problem(flag, path, paths, own):
         return 'no such file (a new job starts with --json)'
     if flag == '--plot':  # matplotlib, and a kind of file it writes
         try:
-            kinds = __import__('matplotlib.figure').figure.Figure().canvas.get_supported_filetypes()
+            from matplotlib.backend_bases import FigureCanvasBase as Canvas
         except ImportError:
             return 'needs matplotlib: pip install matplotlib'
-        if Path(path).suffix[1:].lower() not in kinds:
+        if Path(path).suffix[1:].lower() not in (kinds := Canvas.get_supported_filetypes()):
             return f"matplotlib writes {', '.join(kinds)}, each by its extension"
     elif flag != '--resume' and path not in own and os.path.exists(path):  # hours of runs, maybe
         return ('exists, and a new job overwrites no file: give another path, or ' +
