@@ -2576,12 +2576,14 @@ def test_a_mistaken_path_gets_one_line(dataset, tmp_path, monkeypatch, capsys, a
     ('--plot', 'a_file/r.png', r'cannot write in its folder .*/a_file \(Not a directory\)$'),
     ('--save', '.', "': a folder: give a file name$"),
     ('--save', 'a_file', "': exists, and a new job overwrites no file: give another path, or delete it$"),
-    ('--plot', 'r.tsv', "': matplotlib writes .*png.*, each by its extension$"),
+    ('--plot', 'r.tsv', "': matplotlib cannot write it here: .*'tsv'.*png"),  # matplotlib's words
+    ('--plot', 'r.pgf', "': matplotlib cannot write it here: .*xelatex"),      # after them
     ('--plot', '.', "': a folder: give a file name$"),
 ])
 def test_output_paths_are_refused_before_any_work(dataset, tmp_path, monkeypatch, capsys, option, path, message):
     (tmp_path / 'a_file').write_text('')
     monkeypatch.setattr(T, 'pick_dtype', lambda *args: pytest.fail('work started'))
+    monkeypatch.setenv('PATH', str(tmp_path))                     # no TeX, which .pgf needs
     assert T.main(['--tiny', '--data-dir', str(dataset), option, str(tmp_path / path)]) == 1
     err = capsys.readouterr().err.strip()
     assert err.startswith(f'error: {option} ') and re.search(message, err) and '\n' not in err

@@ -1282,8 +1282,7 @@ def compare_lines(paths, plot=None):
     for side, job, b in list(zip(sides, jobs, acc))[1:]:
         differences = job_differences(jobs[0], job, [k for k in JOB_KEYS if k != 'seed'])
         lines.append(f"\n{side} differs from A in: {', '.join(differences) or 'nothing recorded'}")
-        few = min(len(acc[0]), len(b))
-        w = welch(acc[0], b) if few > 1 else {}
+        w = welch(acc[0], b) if (few := min(len(acc[0]), len(b))) > 1 else {}
         if not w.get('se'):  # one run a side, or no spread
             lines.append(f'{side} - A: {100 * (b.mean() - acc[0].mean()):+.3f} points; no test: ' +
                          ('it needs two runs a side' if few < 2 else 'both repeat one accuracy'))
@@ -1421,8 +1420,7 @@ def check_options(args, hyp, world, own=()):
     for flag, value, sensible, why in checks:
         if not sensible:
             raise UserError(f'{flag} {value!r}: {why}')
-    outputs = {'--json': args.json, '--resume': args.resume, '--save': args.save,
-               '--plot': args.plot}
+    outputs = {f'--{name}': getattr(args, name) for name in ('json', 'resume', 'save', 'plot')}
     paths = [os.path.realpath(path) for path in outputs.values() if path]
     for flag, path in outputs.items():
         if path is not None and (why := output_problem(flag, path, paths, own)):
@@ -1443,13 +1441,15 @@ def output_problem(flag, path, paths, own):
         return f'cannot write in its folder {os.path.dirname(path) or "."} ({e.strerror})'
     if flag == '--resume' and not os.path.exists(path):
         return 'no such file (a new job starts with --json)'
-    if flag == '--plot':  # matplotlib, and a kind of file it writes
+    if flag == '--plot':  # matplotlib, and a kind of file it writes here
         try:
-            from matplotlib.backend_bases import FigureCanvasBase as Canvas
+            from matplotlib.figure import Figure
         except ImportError:
             return 'needs matplotlib: pip install matplotlib'
-        if Path(path).suffix[1:].lower() not in (kinds := Canvas.get_supported_filetypes()):
-            return f"matplotlib writes {', '.join(kinds)}, each by its extension"
+        try:  # a figure with text, in the format of path's extension: .pgf needs TeX installed
+            Figure().text(0, 0, 'x').figure.savefig(io.BytesIO(), format=Path(path).suffix[1:])
+        except Exception as e:  # ValueError: no such format; RuntimeError: no xelatex; ...
+            return f'matplotlib cannot write it here: {e}'
     elif flag != '--resume' and path not in own and os.path.exists(path):  # hours of runs, maybe
         return ('exists, and a new job overwrites no file: give another path, or ' +
                 ('--resume it if it holds this job' if flag == '--json' else 'delete it'))
