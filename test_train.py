@@ -894,9 +894,13 @@ def test_the_summary_of_one_run_says_what_it_has_in_plain_units():
                      'achieved: 0.75 GFLOP/s of model FLOPs per run']
 
 
-def test_a_summary_says_when_its_runs_are_too_few_for_an_interval():
+def test_a_summary_says_when_its_runs_are_too_few_for_an_interval(tmp_path):
+    """50 % +- 12.706 x 20 / sqrt(2) points: no interval in the summary, the job file or the picture."""
     runs = [dict(failed=False, accuracy=a, time_s=1.0, rows=[{}]) for a in (0.3, 0.7)]
     summary = T.summarize(runs, count_94=False)
+    assert 'acc_ci95' not in summary
+    finals = T.plot_jobs(tmp_path / 'a.png', [drawn_job([0.3, 0.7])]).axes[1]
+    assert [y for line in finals.get_lines() if line.get_marker() == '_' for y in line.get_ydata()] == [50, 50]
     summary.update(read_back=1, resumed_from='a.json', wall_s=2.0, runs_per_hour=1800.0, ranks=1)
     lines = T.summary_lines(summary)
     assert '95% confidence interval of the mean: too few runs (2) for one: it would reach beyond 0-100 %' in lines
@@ -2164,10 +2168,10 @@ def test_a_jobs_picture_holds_its_values(tmp_path):
     """Read from the figure's artists: each epoch's mean and extremes of valid accuracy over the finished
     runs, train accuracy's mean (dashed), the rate from 0; each run's final accuracy, the mean and its 95 %
     interval (t = 4.3027 at 2 degrees of freedom); the file a PNG of 12 x 4.4 inches at 150 dpi."""
-    figure = T.plot_jobs(tmp_path / 'a.png', [drawn_job([0.90, 0.92, None, 0.97], set=['label_smoothing=0'])])
+    figure = T.plot_jobs(tmp_path / 'a.png', [drawn_job([0.90, 0.92, None, 0.95], set=['label_smoothing=0'])])
     assert png_size(tmp_path / 'a.png') == ONE_JOB_PNG
     curves, finals_axis, rate = figure.axes
-    valid = np.array([[f - 0.02, f - 0.01, f] for f in (0.90, 0.92, 0.97)]) * 100
+    valid = np.array([[f - 0.02, f - 0.01, f] for f in (0.90, 0.92, 0.95)]) * 100
     mean, train = curves.get_lines()
     np.testing.assert_allclose(mean.get_xydata(), np.c_[[1, 2, 3], valid.mean(0)])
     np.testing.assert_allclose(train.get_ydata(), valid.mean(0) + 1)
@@ -2178,11 +2182,11 @@ def test_a_jobs_picture_holds_its_values(tmp_path):
         assert (at.min(), at.max()) == pytest.approx((valid[:, epoch - 1].min(), valid[:, epoch - 1].max()))
     np.testing.assert_allclose(rate.get_lines()[0].get_xydata(), [[0, 0], [1, 0.1], [2, 0.2], [3, 0.3]])
     points = [line for line in finals_axis.get_lines() if line.get_marker() == 'o']
-    np.testing.assert_allclose(points[0].get_ydata(), [90, 92, 97])
-    half = 4.302652729911275 * np.std([90, 92, 97], ddof=1) / math.sqrt(3)
+    np.testing.assert_allclose(points[0].get_ydata(), [90, 92, 95])
+    half = 4.302652729911275 * np.std([90, 92, 95], ddof=1) / math.sqrt(3)
     caps = sorted(y for line in finals_axis.get_lines() if line.get_marker() == '_' for y in line.get_ydata())
-    assert caps == pytest.approx([93 - half, 93 + half])
-    assert [line.get_ydata()[0] for line in finals_axis.get_lines() if line.get_marker() == 'D'] == pytest.approx([93])
+    assert caps == pytest.approx([277 / 3 - half, 277 / 3 + half])
+    assert [line.get_ydata()[0] for line in finals_axis.get_lines() if line.get_marker() == 'D'] == pytest.approx([277 / 3])
     assert figure.texts[0].get_text() == 'CPU (x86_64, AVX512 kernels, 2 threads), float32'
 
 

@@ -992,9 +992,10 @@ def summarize(runs, count_94=True, flops=None, peak=None, world=1, hyp=HYP):
     if count_94:
         summary['reached_94'] = int((acc >= 0.94).sum())
     if len(acc) > 1:
-        std = acc.std(ddof=1)
+        summary['acc_std'] = std = acc.std(ddof=1)
         half_width = t_quantile(0.975, len(acc) - 1) * std / math.sqrt(len(acc))
-        summary.update(acc_std=std, acc_ci95=(acc.mean() - half_width, acc.mean() + half_width))
+        if 0 <= acc.mean() - half_width and acc.mean() + half_width <= 1:  # else: too few runs
+            summary['acc_ci95'] = (acc.mean() - half_width, acc.mean() + half_width)
     if flops:
         summary['tflops_per_s'] = flops / 1e12 / times.mean()
         if peak:
@@ -1024,9 +1025,8 @@ def summary_lines(summary):
               'one run: no standard deviation')
     lines.append(f"accuracy ({summary['evaluated']}): mean {percent('acc_mean')} %, {spread}")
     if finished > 1:
-        low, high = summary['acc_ci95']
-        lines.append('95% confidence interval of the mean: ' + (
-            f'[{100 * low:.2f}, {100 * high:.2f}] %' if 0 <= low and high <= 1 else
+        lines.append('95% confidence interval of the mean: ' + ('[{:.2f}, {:.2f}] %'.format(
+            *(100 * x for x in summary['acc_ci95'])) if 'acc_ci95' in summary else
             f'too few runs ({finished}) for one: it would reach beyond 0-100 %'))
     reached = (f";  runs >= 94%: {summary['reached_94']} of {finished}"
                if 'reached_94' in summary else '')
@@ -1075,7 +1075,8 @@ def plot_jobs(path, jobs, names=('',)):
         m, (low, high) = acc.mean(), (100 * x for x in s.get('acc_ci95', [s['acc_mean']] * 2))
         finals.errorbar(i, m, [[m - low], [high - m]], fmt='D', color='k', capsize=8)
         finals.plot([i] * len(acc), acc, 'o', color=colour, alpha=0.5)
-    curves.set(xlabel="epoch (faint: the learning rate at each epoch's end)", ylabel='accuracy, %')
+    curves.set(xlabel='epoch', ylabel='valid accuracy, % (band: every run; dashed: train)')
+    rate.set(ylabel="learning rate (faint), at each epoch's end")
     finals.set(xticks=range(len(jobs)), xticklabels=[n[:1] for n in names], ylabel='final, %')
     figure.legend(loc='outside lower center')
     figure.suptitle(' | '.join({f"{j['device']}, {j['dtype'].split('.')[-1]}": 0 for j in jobs}))
@@ -1619,8 +1620,7 @@ class Job:
                 checkpoint = dict(state_dict=state, hyperparameters=self.hyp, classes=CLASSES,
                                   mean=CIFAR10_MEAN, std=CIFAR10_STD, run=saved['run'],
                                   seed=saved['seed'], accuracy=saved['accuracy'])
-                buffer = io.BytesIO()  # in memory first: torch.save fails oddly on a full disk
-                torch.save(checkpoint, buffer)
+                torch.save(checkpoint, buffer := io.BytesIO())  # to a full disk, it fails oddly
                 write_atomically(args.save, buffer.getvalue(), '--save')
         except UserError as e:
             rest = (f'--resume {self.path} trains the runs it lacks' if self.path and
