@@ -2231,6 +2231,15 @@ def test_plot_through_main_for_a_comparison_and_for_a_job_without_a_finished_run
     assert not (tmp_path / 'c.png').exists()
 
 
+def test_plot_over_a_compared_job_file_is_refused(finished_job, tmp_path, capsys):
+    """A job file with a picture's extension, compared and drawn over: refused, the file as it was."""
+    a = tmp_path / 'a.svg'
+    a.write_bytes(finished_job[0].read_bytes())
+    assert T.main(['--compare', str(a), str(finished_job[0]), '--plot', str(a)]) == 1
+    assert capsys.readouterr().err == f"error: --plot '{a}': another option's path too: give each its own\n"
+    assert a.read_bytes() == finished_job[0].read_bytes()
+
+
 def test_plot_is_refused_before_any_work_without_matplotlib(dataset, tmp_path, monkeypatch, capsys):
     """Its import blocked: one line naming the install command, for a job and for --compare."""
     for name in ['matplotlib', *(n for n in list(sys.modules) if n.startswith('matplotlib.'))]:

@@ -1422,7 +1422,7 @@ def check_options(args, hyp, world, own=()):
         if not sensible:
             raise UserError(f'{flag} {value!r}: {why}')
     outputs = {f'--{name}': getattr(args, name) for name in ('json', 'resume', 'save', 'plot')}
-    paths = [os.path.realpath(path) for path in outputs.values() if path]
+    paths = [os.path.realpath(p) for p in [*outputs.values(), *(args.compare or [])] if p]
     for flag, path in outputs.items():
         if path is not None and (why := output_problem(flag, path, paths, own)):
             raise UserError(f'{flag} {path!r}: {why}')
