@@ -895,12 +895,14 @@ def test_the_summary_of_one_run_says_what_it_has_in_plain_units():
 
 
 def test_a_summary_says_when_its_runs_are_too_few_for_an_interval(tmp_path):
-    """50 % +- 12.706 x 20 / sqrt(2) points: no interval in the summary, the job file or the picture."""
-    runs = [dict(failed=False, accuracy=a, time_s=1.0, rows=[{}]) for a in (0.3, 0.7)]
+    """56.5 % +- 12.706 x 4.5 points: no interval in the summary, the job file or the picture (whose mean is
+    drawn as the summary's: 100 x the mean of 0.52 and 0.61 is not the mean of 52 and 61, to the last bit)."""
+    runs = [dict(failed=False, accuracy=a, time_s=1.0, rows=[{}]) for a in (0.52, 0.61)]
     summary = T.summarize(runs, count_94=False)
     assert 'acc_ci95' not in summary
-    finals = T.plot_jobs(tmp_path / 'a.png', [drawn_job([0.3, 0.7])]).axes[1]
-    assert [y for line in finals.get_lines() if line.get_marker() == '_' for y in line.get_ydata()] == [50, 50]
+    finals = T.plot_jobs(tmp_path / 'a.png', [drawn_job([0.52, 0.61])]).axes[1]
+    assert [line.get_ydata()[0] for line in finals.get_lines() if line.get_marker() == 'D'] == pytest.approx([56.5])
+    assert not [line for line in finals.get_lines() if line.get_marker() == '_']          # no caps
     summary.update(read_back=1, resumed_from='a.json', wall_s=2.0, runs_per_hour=1800.0, ranks=1)
     lines = T.summary_lines(summary)
     assert '95% confidence interval of the mean: too few runs (2) for one: it would reach beyond 0-100 %' in lines
@@ -2233,11 +2235,25 @@ def test_plot_through_main_for_a_comparison_and_for_a_job_without_a_finished_run
 
 def test_plot_over_a_compared_job_file_is_refused(finished_job, tmp_path, capsys):
     """A job file with a picture's extension, compared and drawn over: refused, the file as it was."""
-    a = tmp_path / 'a.svg'
+    a, b = tmp_path / 'a.svg', tmp_path / 'b.json'
+    write_job(b, job_with(finished_job[0], [0.3, 0.4], seed=5))
     a.write_bytes(finished_job[0].read_bytes())
-    assert T.main(['--compare', str(a), str(finished_job[0]), '--plot', str(a)]) == 1
+    assert T.main(['--compare', str(a), str(b), '--plot', str(a)]) == 1
     assert capsys.readouterr().err == f"error: --plot '{a}': another option's path too: give each its own\n"
     assert a.read_bytes() == finished_job[0].read_bytes()
+
+
+def test_plot_refused_by_a_failing_tex_says_so_in_one_line(dataset, tmp_path, monkeypatch, capsys):
+    """.pgf through a TeX that fails (a package missing, say): matplotlib's error holds pages of TeX."""
+    import matplotlib
+    monkeypatch.setitem(matplotlib.rcParams, 'pgf.texsystem', 'xelatex')
+    (tmp_path / 'xelatex').write_text('#!/bin/sh\necho "! LaTeX Error: File underscore.sty not found."\nexit 1\n')
+    (tmp_path / 'xelatex').chmod(0o755)
+    monkeypatch.setenv('PATH', f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setattr(T, 'pick_dtype', lambda *args: pytest.fail('work started'))
+    assert T.main(['--tiny', '--data-dir', str(dataset), '--plot', str(tmp_path / 'r.pgf')]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --plot '{tmp_path / 'r.pgf'}': matplotlib cannot write it here: ") and err.count('\n') == 1
 
 
 def test_plot_is_refused_before_any_work_without_matplotlib(dataset, tmp_path, monkeypatch, capsys):
@@ -2597,6 +2613,8 @@ def test_output_paths_are_refused_before_any_work(dataset, tmp_path, monkeypatch
     (tmp_path / 'a_file').write_text('')
     monkeypatch.setattr(T, 'pick_dtype', lambda *args: pytest.fail('work started'))
     monkeypatch.setenv('PATH', str(tmp_path))                     # no TeX, which .pgf needs
+    import matplotlib
+    monkeypatch.setitem(matplotlib.rcParams, 'pgf.texsystem', 'xelatex')
     assert T.main(['--tiny', '--data-dir', str(dataset), option, str(tmp_path / path)]) == 1
     err = capsys.readouterr().err.strip()
     assert err.startswith(f'error: {option} ') and re.search(message, err) and '\n' not in err

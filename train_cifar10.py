@@ -1072,8 +1072,8 @@ def plot_jobs(path, jobs, names=('',)):
         curves.plot(epochs, 100 * valid.mean(0), '.-', color=colour, label=label)
         curves.plot(epochs, 100 * train.mean(0), '.--', color=colour)
         rate.plot([0, *epochs], [0, *lr[0]], color=colour, alpha=0.3, lw=1)
-        m, (low, high) = acc.mean(), (100 * x for x in s.get('acc_ci95', [s['acc_mean']] * 2))
-        finals.errorbar(i, m, [[m - low], [high - m]], fmt='D', color='k', capsize=8)
+        m, ci = 100 * s['acc_mean'], [100 * x for x in s.get('acc_ci95', ())]  # rounded as ci is
+        finals.errorbar(i, m, [[m - ci[0]], [ci[1] - m]] if ci else None, fmt='kD', capsize=8)
         finals.plot([i] * len(acc), acc, 'o', color=colour, alpha=0.5)
     curves.set(xlabel='epoch', ylabel='valid accuracy, % (band: every run; dashed: train)')
     rate.set(ylabel="learning rate (faint), at each epoch's end")
@@ -1450,7 +1450,7 @@ def output_problem(flag, path, paths, own):
         try:  # a figure with text, in the format of path's extension: .pgf needs TeX installed
             Figure().text(0, 0, 'x').figure.savefig(io.BytesIO(), format=Path(path).suffix[1:])
         except Exception as e:  # ValueError: no such format; RuntimeError: no xelatex; ...
-            return f'matplotlib cannot write it here: {e}'
+            return 'matplotlib cannot write it here: ' + str(e).split('\n')[0]  # TeX's: pages
     elif flag != '--resume' and path not in own and os.path.exists(path):  # hours of runs, maybe
         return ('exists, and a new job overwrites no file: give another path, or ' +
                 ('--resume it if it holds this job' if flag == '--json' else 'delete it'))
@@ -1620,8 +1620,8 @@ class Job:
                 checkpoint = dict(state_dict=state, hyperparameters=self.hyp, classes=CLASSES,
                                   mean=CIFAR10_MEAN, std=CIFAR10_STD, run=saved['run'],
                                   seed=saved['seed'], accuracy=saved['accuracy'])
-                torch.save(checkpoint, buffer := io.BytesIO())  # to a full disk, it fails oddly
-                write_atomically(args.save, buffer.getvalue(), '--save')
+                torch.save(checkpoint, memory := io.BytesIO())  # a full disk fails it oddly
+                write_atomically(args.save, memory.getvalue(), '--save')
         except UserError as e:
             rest = (f'--resume {self.path} trains the runs it lacks' if self.path and
                     Path(self.path).exists() else 'run the same command again')
