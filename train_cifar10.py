@@ -1450,7 +1450,7 @@ def output_problem(flag, path, paths, own):
         try:  # a figure with text, in the format of path's extension: .pgf needs TeX installed
             Figure().text(0, 0, 'x').figure.savefig(io.BytesIO(), format=Path(path).suffix[1:])
         except Exception as e:  # ValueError: no such format; RuntimeError: no xelatex; ...
-            return 'matplotlib cannot write it here: ' + str(e).split('\n')[0]  # TeX's: pages
+            return 'matplotlib cannot write it here: ' + str(e).split('\n')[0]  # TeX's run to pages
     elif flag != '--resume' and path not in own and os.path.exists(path):  # hours of runs, maybe
         return ('exists, and a new job overwrites no file: give another path, or ' +
                 ('--resume it if it holds this job' if flag == '--json' else 'delete it'))
