@@ -5,6 +5,7 @@ Run: python -m pytest -q -rs test_train.py
 With CIFAR10_DIR pointing at a folder that holds cifar-10-batches-py/, also checks that copy.
 """
 import atexit
+import collections
 import contextlib
 import copy
 import errno
@@ -629,7 +630,7 @@ def test_no_host_sync_in_an_epoch_the_optimiser_or_the_ema():
     with SyncLog() as log:                                        # ... and none in a whole epoch
         T.train_epoch(networks, images, labels, 1, 6, hyp)
         networks.optimiser.step(0.5)
-        T.ema_update(*networks.averaged_and_trained, 0.9)
+        T.ema_update(networks.averages, networks.averaged, 0.9)
     assert log.syncs == 0
 
 
@@ -747,6 +748,63 @@ def test_bf16_weight_decay_and_ema_move_as_the_fp32_formula_says():
     torch.testing.assert_close(average.double(), torch.full((1000,), expected, dtype=torch.float64), rtol=1e-7, atol=0)
 
 
+def test_bf16s_ema_averages_the_optimisers_fp32_copies_not_the_rounded_weights():
+    """Under bf16 the optimiser updates fp32 copies and rounds them into the weights (2^-9 of each):
+    the EMA averages the copies, as fp32's formula does, not the weights' rounding. Each fp32 lerp
+    rounds by up to 2 units in the last place of the largest value: 2 n of them after n steps."""
+    networks, hyp = small_networks({'ema_every': 1, 'ema_momentum': 0.9}, dtype=torch.bfloat16)
+    pairs = [(p, a) for p, a in zip(networks.network.parameters(), networks.ema.parameters())
+             if p.dtype == torch.bfloat16]
+    copies = [a.double() for _, a in pairs]                       # the EMA's formula, in float64
+    rounded = [a.double() for _, a in pairs]                      # ... of the rounded weights
+    step = networks.optimiser.step
+
+    def step_and_average(lr):
+        step(lr)
+        for i, (p, _) in enumerate(pairs):
+            copies[i] += 0.1 * (networks.optimiser.masters[p].double() - copies[i])
+            rounded[i] += 0.1 * (p.detach().double() - rounded[i])
+    networks.optimiser.step = step_and_average
+    images = torch.randn(256, 3, 32, 32, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    T.train_epoch(networks, images, torch.arange(256) % 10, 1, 4, {**hyp, 'batch_size': 64})
+    apart = 0.0
+    for (_, average), copy_average, rounded_average in zip(pairs, copies, rounded):
+        assert average.dtype == torch.float32
+        tolerance = 2 * 4 * torch.finfo(torch.float32).eps * float(copy_average.abs().max())
+        torch.testing.assert_close(average.double(), copy_average, rtol=0, atol=tolerance)
+        apart = max(apart, float((average.double() - rounded_average).abs().max()) / tolerance)
+    assert apart > 10                                             # the rounded weights' EMA is another
+
+
+def test_fp16_evaluation_of_the_fp32_ema_is_fp32s_up_to_fp16s_rounding(dataset):
+    """The same fp32 EMA weights (a --tiny run's) evaluated in fp16, as on CUDA,
+    and in fp32. fp16 stores each value rounded by up to u = 2^-11 of itself; along the network's
+    depth a value is stored 37 times (the images; prep's conv, batch norm and CELU; for each of 7
+    conv_bn blocks its weights, conv, batch norm and CELU; 2 residual sums; the head's weights and
+    output; flip-TTA's sum), each rounding passes on at about its size (batch norm rescales a
+    layer's error with its values), so the logits differ by at most 37 u of their norm. An image's
+    answer can change only where its top two fp32 logits are closer than twice its largest change."""
+    data = T.load_cifar10(dataset / T.BATCHES_DIR)
+    hyp = {**T.HYP, **T.TINY}
+    trained = T.Networks(hyp, torch.device('cpu'), torch.float32, False)
+    T.train_run(data, trained, hyp, 0, lambda row: None)
+    labels = torch.from_numpy(data['test_labels'])
+    logits, correct = {}, {}
+    for dtype in (torch.float32, torch.float16):
+        networks = T.Networks(hyp, torch.device('cpu'), dtype, False)
+        networks.ema.load_state_dict(trained.ema.state_dict())
+        images = T.normalise(data['test_images'], torch.device('cpu'), dtype)
+        correct[dtype] = int(T.evaluate(networks, images, labels, hyp)[1])
+        with torch.no_grad():                                     # the weights evaluate() cast
+            logits[dtype] = T.flip_tta_logits(networks.evaluated, images)[1].double()
+    exact, change = logits[torch.float32], logits[torch.float16] - logits[torch.float32]
+    assert float(change.norm()) <= 37 * 2 ** -11 * float(exact.norm())
+    top_two = exact.topk(2, dim=1).values
+    may_change = int((top_two[:, 0] - top_two[:, 1] < 2 * change.abs().amax(1)).sum())
+    assert abs(correct[torch.float16] - correct[torch.float32]) <= may_change
+    assert correct[torch.float32] > 0.2 * len(labels)             # a network that tells classes apart
+
+
 def constant_data(n_train=128, n_test=100, seed=0):
     """uint8 images of one value each (every crop, flip and mirror of one is itself), random labels."""
     rng = np.random.default_rng(seed)
@@ -774,7 +832,7 @@ def test_a_rows_losses_and_accuracies_are_the_label_smoothed_cross_entropy_by_ha
     computed in numpy from known logits, against the row train_run makes."""
     networks, hyp = small_networks({'batch_size': 64, 'epochs': 1, 'whitening_images': 128, 'eval_batch_size': 64})
     give_known_logits(networks.network)                           # networks.parallel, in one process
-    give_known_logits(networks.ema)
+    give_known_logits(networks.evaluated)                         # the EMA's weights, evaluated
     data = constant_data()
     row, = T.train_run(data, networks, hyp, 0, lambda row: None)
 
@@ -942,7 +1000,7 @@ def test_run_log_summary_recomputes_from_its_own_rows():
 def header_context(hyp, **changes):
     """A job's context as Job.set_up makes it, for header_lines."""
     return {**dict(script_sha256='0123456789abcdef', torch=torch.__version__, device='CPU', dtype='torch.float32',
-                   fp32_math=None, seed=0, train_images=3000, test_images=500, hyperparameters=hyp, data='x',
+                   evaluation_dtype='torch.float32', seed=0, train_images=3000, test_images=500, hyperparameters=hyp, data='x',
                    data_digest='d', flops=T.count_flops(hyp, 3000), peak_tflops=None), **changes}
 
 
@@ -1330,51 +1388,45 @@ def tf32_allowed():
         backend.allow_tf32 = value
 
 
-@pytest.mark.parametrize('device, dtype, capability, evaluation', [
-    ('cuda', torch.float16, (9, 0), True), ('cuda', torch.bfloat16, (8, 0), True),
-    ('cuda', torch.float16, (7, 0), False), ('cuda', torch.float32, (9, 0), False), ('cpu', torch.float32, None, None)])
-def test_fp32_precision_is_chosen_and_said(monkeypatch, tf32_allowed, device, dtype, capability, evaluation):
-    """On CUDA, training computes fp32 (the whitening fold) without TF32, cuDNN's default included;
-    fp16/bf16 training lets only the EMA's evaluation use TF32, on a GPU that has it (8.0 and later:
-    a V100, 7.0, has none); a CPU: nothing to choose."""
-    monkeypatch.setattr(torch.cuda, 'get_device_capability', lambda device=None: capability)
-    said = T.fp32_precision(torch.device(device), dtype)
-    assert T.evaluates_in_tf32(torch.device(device), dtype) == bool(evaluation)
-    if evaluation is None:
-        assert said is None and torch.backends.cudnn.allow_tf32
-    else:
-        assert not torch.backends.cudnn.allow_tf32 and not torch.backends.cuda.matmul.allow_tf32
-        assert said == ('TF32 for the evaluation only' if evaluation else 'TF32 off')
-        assert f'(batch norm, evaluation fp32; {said})' in T.header_lines(header_context({**T.HYP, **T.TINY}, fp32_math=said))[1]
+def test_a_job_turns_tf32_off_and_says_it_evaluates_in_its_dtype(dataset, tmp_path, capsys, tf32_allowed):
+    """TF32 rounds fp32 products to fp16's 10 mantissa bits: a job turns it off (cuDNN allows it by
+    default), so that fp32 is fp32 on every GPU. The header and the job file say the evaluation's dtype."""
+    path = tmp_path / 'r.json'
+    assert T.main([*SMALL_RUN, '--data-dir', str(dataset), '--json', str(path)]) == 0
+    assert not torch.backends.cudnn.allow_tf32 and not torch.backends.cuda.matmul.allow_tf32
+    assert 'dtype float32, evaluation float32 (batch norm and the loss fp32; no TF32)' in capsys.readouterr().out
+    assert T.read_job(path, '--json')['evaluation_dtype'] == 'torch.float32'
 
 
-class PrecisionLog(torch.utils._python_dispatch.TorchDispatchMode):
-    """Whether TF32 was allowed (cuDNN's flag, cuBLAS's flag) at each convolution and matrix product."""
+class DtypeLog(torch.utils._python_dispatch.TorchDispatchMode):
+    """The dtypes of the tensors each convolution, batch norm, matrix product and log-softmax reads."""
 
     def __init__(self):
         super().__init__()
-        self.seen = set()
+        self.seen = collections.defaultdict(set)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.overloadpacket in (torch.ops.aten.convolution, torch.ops.aten.mm, torch.ops.aten.addmm):
-            self.seen.add((torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32))
+        name = str(func.overloadpacket).removeprefix('aten.')
+        if name in ('convolution', 'addmm', 'mm', '_native_batch_norm_legit_no_training',
+                    'native_batch_norm', '_log_softmax'):
+            self.seen[name].update(str(a.dtype).removeprefix('torch.') for a in args if isinstance(a, torch.Tensor))
         return func(*args, **(kwargs or {}))
 
 
-def test_training_keeps_the_fold_in_true_fp32_and_only_the_evaluation_uses_tf32(monkeypatch, tf32_allowed):
-    """TF32 rounds to fp16's 10 mantissa bits: in the training step it would undo the fp32 fold of
-    the whitening. The flags are read as each convolution and matrix product runs, as CUDA reads
-    them; here a CPU stands in for a CUDA GPU that trains in fp16."""
-    monkeypatch.setattr(T, 'evaluates_in_tf32', lambda device, dtype: True)  # an Ampere or later
-    T.fp32_precision(torch.device('cuda'), torch.float16)
-    networks, hyp = small_networks()
-    images, labels = torch.randn(64, 3, 32, 32), torch.arange(64) % 10
-    with PrecisionLog() as training:
-        T.train_epoch(networks, images, labels, 1, 1, {**hyp, 'batch_size': 64})
-    with PrecisionLog() as evaluation:
-        T.evaluate(networks, images, labels, hyp)
-    assert training.seen == {(False, False)} and evaluation.seen == {(True, True)}
-    assert torch.backends.cudnn.allow_tf32 is False               # as it was before the evaluation
+@pytest.mark.parametrize('dtype', [torch.float16, torch.bfloat16, torch.float32])
+def test_evaluation_runs_in_the_networks_dtype_with_batch_norm_and_the_loss_in_fp32(dtype):
+    """As the network trains, it is evaluated: convolutions and the head in its dtype, batch norm's
+    statistics and the loss in fp32 (the whitened prep conv, fp32, reads the images in the dtype)."""
+    networks, hyp = small_networks(dtype=dtype)
+    images = torch.randn(20, 3, 32, 32).to(dtype)
+    with DtypeLog() as log:
+        T.evaluate(networks, images, torch.arange(20) % 10, {**hyp, 'eval_batch_size': 10})
+    name = str(dtype).removeprefix('torch.')
+    assert log.seen['convolution'] == {name, 'float32'}                       # the prep conv: fp32
+    assert log.seen['mm'] | log.seen['addmm'] == {name, 'float32'}            # the head; the prep's fold
+    batch_norm = log.seen['native_batch_norm'] | log.seen['_native_batch_norm_legit_no_training']
+    assert batch_norm == {'float32'}                                          # its input cast too
+    assert log.seen['_log_softmax'] == {'float32'}
 
 
 def test_a_dtype_the_device_cannot_run_is_refused(monkeypatch):
@@ -1401,7 +1453,7 @@ def test_half_precision_from_the_command_line_trains_a_whole_run(dataset, tmp_pa
     name = str(dtype).replace('torch.', '')
     assert any(re.match(rf'dtype {name}\b', line) for line in capsys.readouterr().out.splitlines())
     job = T.read_job(path, '--json')
-    assert job['dtype'] == str(dtype) and dtype in trained_in     # batch norm's weights: fp32
+    assert job['dtype'] == job['evaluation_dtype'] == str(dtype) and dtype in trained_in  # BN: fp32
     run, = job['runs']
     assert not run['failed'] and all(math.isfinite(v) for row in run['rows'] for v in row.values())
 
@@ -1725,15 +1777,6 @@ def test_ctrl_c_during_a_download_leaves_no_part(tmp_path, monkeypatch, capsys):
     assert T.main(['--tiny', '--data-dir', str(tmp_path / 'data')]) == 130
     assert 'interrupted' in capsys.readouterr().out
     assert not (tmp_path / 'data').exists()                         # no part file, nor the folder made
-
-
-def test_ctrl_c_while_torch_is_imported_ends_quietly(tmp_path):
-    fake = tmp_path / 'torch'
-    fake.mkdir()
-    (fake / '__init__.py').write_text('raise KeyboardInterrupt\n')   # Ctrl-C in the middle of `import torch`
-    result = subprocess.run([sys.executable, str(SCRIPT), '--tiny'], capture_output=True, text=True, timeout=60,
-                            env={**os.environ, 'PYTHONPATH': str(tmp_path)})
-    assert result.returncode == 130 and result.stderr == '' and result.stdout == ''
 
 
 def without_times(run):
@@ -2492,7 +2535,7 @@ def test_every_setting_that_changes_a_runs_numbers_is_part_of_the_job(finished_j
     assert T.main([*options, '--runs', '3', '--resume', str(path)]) == 1
     assert re.search(rf'-> CPU \([^,]+, {other}\b', capsys.readouterr().err)
     job = json.loads(text)
-    assert {'compile', 'fp32_math'} <= set(job) and 'kernels' in job['device']
+    assert {'compile', 'evaluation_dtype'} <= set(job) and 'kernels' in job['device']
     assert all(run['compiled'] is False for run in job['runs'])
     assert path.read_bytes() == text
 
@@ -2704,8 +2747,8 @@ batches = x.repeat(5, 1, 1, 1).contiguous(memory_format=torch.channels_last), y.
 for epoch in range(3):                            # a learnable task: 3 epochs of 5 steps on one batch
     T.train_epoch(networks, *batches, epoch + 1, 5, {{**hyp, 'epochs': 3}})
 losses.append(T.summed_loss(networks.network, x, y, hyp['label_smoothing'])[0].item() / 64)
-test = T.normalise(data['test_images'], cpu, networks.ema_dtype).contiguous(memory_format=torch.channels_last)
-networks.flip_tta_logits = T.flip_tta_logits      # the fp32 EMA's pass: COMPILE_WORKER compiles it, not again
+test = T.normalise(data['test_images'], cpu, dtype).contiguous(memory_format=torch.channels_last)
+networks.flip_tta_logits = T.flip_tta_logits      # eager: COMPILE_WORKER compiles the pass, not again
 evaluation = T.evaluate(networks, test, torch.from_numpy(data['test_labels']), hyp)
 whitening_kept = torch.equal(networks.ema.prep[0].whitening, networks.network.prep[0].whitening)
 torch.save(dict(disagreement=disagreement, compiled=compiled, eager=eager, reference=reference, losses=losses, evaluation=evaluation,
@@ -3005,12 +3048,12 @@ def one_thread():
         torch.set_num_threads(threads)
 
 
-def short_float64_run(data):
+def short_float64_run(data, rank=0, world=1):
     """2 steps of 64 images at lr 1 in float64; after each, batch-norm averaging and an "EMA" that
-    copies the model. The EMA's state and the rows."""
+    copies the model. The EMA's state and the rows (rank, world: the processes that split batches)."""
     short = {k: v[:128] if k.startswith('train') else v for k, v in data.items()}
     hyp = {**T.HYP, **T.TINY, 'epochs': 1, 'lr_peak': 1.0, 'lr_floor': 1.0, 'ema_every': 1, 'ema_momentum': 0.0}
-    networks = T.Networks(hyp, torch.device('cpu'), torch.float64, compiled=False)
+    networks = T.data_parallel(T.Networks(hyp, torch.device('cpu'), torch.float64, False, rank, world))
     rows = T.train_run(short, networks, hyp, 0, lambda row: None)
     return networks.ema.state_dict(), rows
 
@@ -3023,10 +3066,10 @@ cpu, out = torch.device('cpu'), {out!r}
 T.join_process_group(cpu)                         # the ranks split each batch
 data = T.load_cifar10(T.ensure_cifar10({data!r}))
 hyp = {{**T.HYP, **T.TINY, 'epochs': 2}}            # 30 steps of --tiny: the ranks must still agree bit for bit
-networks = T.Networks(hyp, cpu, torch.float32, compiled=False)
+networks = T.data_parallel(T.Networks(hyp, cpu, torch.float32, False, rank, world))
 T.train_run(data, networks, hyp, 0, lambda row: None)
 torch.save(networks.ema.state_dict(), f'{{out}}/long_{{rank}}.pt')
-ema, rows = short_float64_run(data)
+ema, rows = short_float64_run(data, rank, world)
 torch.save(ema, f'{{out}}/short_{{rank}}.pt')
 open(f'{{out}}/rows_{{rank}}.json', 'w').write(json.dumps(rows))
 for fault in ('raises', 'nan'):                   # rank 0 "compiles" at once; rank 1's compiler fails ...
@@ -3040,7 +3083,7 @@ for fault in ('raises', 'nan'):                   # rank 0 "compiles" at once; r
         return failing
     torch.compile = compile
     hyp = {{**T.HYP, **T.TINY, 'epochs': 1}}
-    networks, compiled, _ = T.compiled_warm_up(data, hyp, cpu, torch.float32, 'default', print)
+    networks, compiled, _ = T.compiled_warm_up(data, hyp, cpu, torch.float32, 'default', print, rank, world)
     T.train_run(data, networks, hyp, 0, lambda row: None)
     print(f'{{fault}}: rank {{rank}} compiled={{compiled}}', flush=True)
     torch.save(networks.ema.state_dict(), f'{{out}}/{{fault}}_{{rank}}.pt')

@@ -7,33 +7,25 @@
     python train_cifar10.py --compare a.json b.json               # is the variant better?
     torchrun --nproc_per_node=8 train_cifar10.py --runs 800 --spread runs --json c.json  # 8 GPUs
 
-The final recipe of David Page's "How to train your ResNet" (Myrtle.ai, 2018-19): 94.1% mean test
-accuracy in 10 epochs, 26 s on a V100. A ResNet9 whose first layer is a fixed whitening of 3x3
-patches, ghost batch norm, CELU, half precision (on CUDA) with batch norm in fp32, label smoothing,
-Nesterov SGD on a piecewise-linear schedule, an EMA of the weights, flip test-time augmentation.
-Read top to bottom: the hyperparameters, the recipe in a run's order, below a banner the harness
-(the rank helpers the recipe calls do nothing in one process). README.md: the evidence, an H100's.
+The final recipe of David Page's "How to train your ResNet" (Myrtle.ai, 2018-19), 94.1% mean
+test accuracy in 10 epochs, 26 s on a V100: a ResNet9 that first whitens 3x3 patches, ghost batch
+norm, CELU, fp16 with fp32 batch norm, label smoothing, Nesterov SGD on a piecewise-linear
+schedule, an EMA of the weights, flip test-time augmentation. Below: the recipe, then the harness.
 """
-import argparse, codecs, contextlib, copy, datetime, difflib, hashlib, http.client
-import inspect, io, json, math, os, pickle, platform, shutil, signal, sys, tarfile, tempfile
-import textwrap, threading, time, urllib.request, warnings
-from pathlib import Path
+import copy, math, time
 
-try:  # torch takes seconds to import: Ctrl-C meanwhile ends quietly, with the shell's status for it
-    import numpy as np
-    import torch
-    import torch.distributed as dist
-    import torch.nn as nn
-    import torch.nn.functional as F
-except KeyboardInterrupt:
-    raise SystemExit(130) from None
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
 
 # ==== Hyperparameters ==========================================================================
 # David Page's final 10-epoch recipe ("How to train your ResNet 8: bag of tricks": "Page 8", where
 # a trick's gain is a mean of 50 runs). The loss is summed over the batch and a step's lr is
 # schedule(epoch) / batch_size: the schedule is the rate applied to the mean gradient, whatever the
 # batch size; weight decay is times batch_size, so that the decay a step (lr x wd) does not change
-# either. --set NAME=VALUE sets any (TRICKS_OFF's values turn a trick off), --tiny a few.
+# either. --set NAME=VALUE sets any, --tiny a few; --help names each trick's off switch.
 HYP = dict(
     epochs=10,               # Page: 94.1% mean with flip-TTA after 10 epochs (26 s on a V100)
     batch_size=512,          # Page; the last partial batch is dropped: 97 steps per epoch
@@ -62,11 +54,6 @@ HYP = dict(
     train_images=50000,      # the first N training images: all of CIFAR-10's, or fewer for a ...
     test_images=10000,       # ... learning curve or a quick check; the first N test images
 )
-TRICKS_OFF = {  # each of Page's tricks, and the setting that turns it off (the rest as it is)
-    'label smoothing': ('label_smoothing', 0), 'CELU': ('celu_alpha', 0),
-    'ghost batch norm': ('bn_split_size', 0), 'frozen scales': ('bn_scale_frozen', False),
-    'whitening': ('whitening', 'none'), 'EMA': ('ema_momentum', 0), 'flip-TTA': ('flip_tta', False)}
-
 # ==== 1. Preprocessing and augmentation of the uint8 images, on the device, a whole epoch at once
 NUM_CLASSES = 10
 # Page's per-channel statistics of the CIFAR-10 training set, on the 0-255 scale.
@@ -84,15 +71,13 @@ def normalise(images, device, dtype):
 
 def balanced_choice(n, options, max_options, generator):
     """For each of n images one of options choices, as Page's loader draws them: at most
-    max_options of them, each for an equal share of the images (Page 8: a GPU crops the images of
-    an offset in one call; a call an image would cost more than the crop)."""
+    max_options of them, each an equal share (Page 8: a GPU crops an offset's images at once)."""
     picked = torch.randperm(options, generator=generator)[:max_options]
     return picked[torch.randperm(n, generator=generator) % len(picked)]
 
 
 def draw_augmentation(n, hyp, generator):
-    """Every random choice of one epoch, as index tensors on the CPU: crop offsets, flips,
-    cutout squares and the order of the images."""
+    """Every random choice of an epoch, index tensors on the CPU: crops, flips, cutout, order."""
     crops = 2 * hyp['pad'] + 1                                 # offsets 0 .. 2 x pad, each way
     offset = balanced_choice(n, crops * crops, hyp['augment_options'], generator)
     draws = dict(top=offset // crops, left=offset % crops,
@@ -156,8 +141,7 @@ def augmented_epoch(padded, labels, hyp, generator, rank=0, world=1):
 
 # ==== 2. The network: whitening, ghost batch norm, ResNet9, its flip-TTA forward ===============
 def at_least_fp32(dtype):
-    """fp32 for fp16 and bf16, the dtype itself for fp32 and wider: the precision of what must
-    keep small differences (batch-norm statistics, the loss, the EMA, the whitened prep layer)."""
+    """fp32 for fp16 and bf16, else dtype itself (float64 stays): see to_training_precision."""
     return torch.promote_types(dtype, torch.float32)
 
 
@@ -175,8 +159,7 @@ def whitening_filters(images, eps):
     """Page's first layer: fixed 3x3 conv filters that whiten the images' 27-dim patches, the
     eigenvectors of their second moment (uncentred, as Page's) over sqrt(eigenvalue + eps), largest
     first. Batch norm scales channels but leaves nearby pixels and colours correlated; whitened
-    patches have about unit moment, which the network would take epochs to learn (Page 8: 94.1 ->
-    94.4 %; whitening='none' is his 3x3 conv before it)."""
+    patches are not, which the network would take epochs to learn (Page 8: 94.1 -> 94.4 %)."""
     moment = patch_moment(images).cpu().double()  # eigenvectors in float64, on the CPU
     eigenvalues, eigenvectors = torch.linalg.eigh(moment)  # in ascending order
     eigenvalues, eigenvectors = eigenvalues.flip(0), eigenvectors.T.flip(0)
@@ -185,10 +168,9 @@ def whitening_filters(images, eps):
 
 
 class WhitenedPrep(nn.Module):
-    """Page's whitening (3x3, 3 -> 27 channels) and trainable 1x1 prep conv (27 -> c_out): plainly,
-    conv2d(conv2d(x, whitening, padding=1), weight[:, :, None, None]), a whitened 27-channel image
-    and a 1x1 conv. Here the one 3x3 conv they compose to, its filters formed at every step from the
-    c_out x 27 weights: same function and gradient, and the 27-channel image is never written."""
+    """Page's whitening (3x3, 3 -> 27 channels), then a trainable 1x1 prep conv (27 -> c_out), as
+    the one 3x3 conv they compose to, its filters formed at every step from the c_out x 27 weights:
+    the same function and gradient, and the whitened 27-channel image is never written."""
 
     def __init__(self, whitening, c_out, learned=False):
         super().__init__()
@@ -197,14 +179,10 @@ class WhitenedPrep(nn.Module):
         else:
             self.register_buffer('whitening', whitening)  # fixed, never trained
         self.weight = nn.Parameter(torch.empty(c_out, len(whitening)))
-        self.reset_parameters()
-
-    def reset_parameters(self):
         nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))  # nn.Conv2d's draw: fan-in 27
 
     def forward(self, x):
-        # in fp32, cheap on 3 channels: the 1x1 gradient would lose up to 2 % in fp16, 30 % in bf16
-        wide = at_least_fp32(x.dtype)
+        wide = at_least_fp32(x.dtype)  # cheap on 3 channels; see to_training_precision
         filters = self.weight.to(wide) @ self.whitening.to(wide).flatten(1)
         filters = filters.view(-1, *self.whitening.shape[1:])
         return F.conv2d(x.to(wide), filters, padding=1).to(x.dtype)
@@ -212,13 +190,10 @@ class WhitenedPrep(nn.Module):
 
 class GhostBatchNorm(nn.BatchNorm2d):
     """Batch norm over splits of split_size images (0: the whole batch); split k of s holds images
-    k, k+s, ... Page 8: it works best over ~32 images, whose noisier statistics regularise (94.1 ->
-    94.2 %). He froze the scales, which learned little but followed the weight decay: at their
-    typical 1/4, 94.1 -> 94.2 %; at 1 with CELU's alpha x 4 (0.075 -> 0.3) and the biases' lr x 16
-    and weight decay / 16, the same run; 4 times those again helped: bias_lr_scale=64. Statistics in
-    fp32; running ones move 0.1 (torch's, Page's) of the way to the splits' mean. Eager NCHW, as in
-    Page's code, one batch_norm of a view whose channels are the splits (not MPS's in half
-    precision: pytorch#154887); compiled, var_mean and arithmetic the compiler fuses into a pass."""
+    k, k+s, ... Page 8: ~32 images work best, their noisier statistics regularise (94.1 -> 94.2 %);
+    scales frozen at 1, with CELU's alpha and the biases' lr and decay scaled to match: 94.2 %.
+    Eager NCHW, as in Page's code: one batch_norm over a view whose channels are the splits (not on
+    MPS for half input: pytorch#154887); compiled: var_mean and arithmetic the compiler fuses."""
 
     def __init__(self, channels, split_size, frozen_scale=True):
         super().__init__(channels)
@@ -226,8 +201,8 @@ class GhostBatchNorm(nn.BatchNorm2d):
         self.weight.requires_grad_(not frozen_scale)  # Page: a scale of 1; only the bias learns
 
     def forward(self, x):
-        if not self.training:
-            return super().forward(x)
+        if not self.training:  # the running statistics (which move 0.1 of the way a step), fp32
+            return super().forward(x.to(self.running_mean.dtype)).to(x.dtype)
         (n, c, h, w), size = x.shape, self.split_size or len(x)
         splits = n // size
         as_channels = not torch.compiler.is_compiling() and x.is_contiguous()  # NCHW, eager
@@ -252,9 +227,8 @@ class GhostBatchNorm(nn.BatchNorm2d):
 
 def conv_bn(c_in, c_out, hyp, pool=False, conv=None):
     """3x3 conv (or conv; no bias: batch norm follows), optional 2x2 max-pool, ghost batch norm,
-    CELU. Page 8 pools before batch norm, which then does a quarter of the work, at a cost of 0.1 %
-    that one more epoch won back. CELU is smooth where ReLU bends at 0: it may help the optimiser, a
-    smoother, less expressive function (Page 8: 94.1 -> 94.3 %); celu_alpha=0 is ReLU."""
+    CELU. Page pools before batch norm, a quarter of its work (0.1 % less, won back by an epoch).
+    CELU is smooth where ReLU bends at 0: easier to optimise (Page 8: 94.1 -> 94.3 %)."""
     conv = nn.Conv2d(c_in, c_out, 3, padding=1, bias=False) if conv is None else conv
     return nn.Sequential(conv, *([nn.MaxPool2d(2)] if pool else []),
                          GhostBatchNorm(c_out, hyp['bn_split_size'], hyp['bn_scale_frozen']),
@@ -302,10 +276,17 @@ def flip_tta_logits(model, images):
     return plain, (plain + mirrored) / 2
 
 
-def to_training_precision(model, dtype):
-    """The network in dtype, but in fp32 or wider batch norm (it divides by a variance of small
-    differences) and the whitening (each run copies its filters into it, unrounded)."""
-    model.to(dtype)
+def to_training_precision(model, dtype, device='cpu', layout=torch.contiguous_format):
+    """The network in the job's dtype but for the parts in fp32 (at_least_fp32). What runs in
+    which precision, in training and evaluation alike (dtype: fp16 on CUDA, fp32 on a CPU):
+      dtype  convolutions, pooling, CELU, the head: nearly all the FLOPs, on tensor cores
+      fp32   batch norm: it divides by a variance of small differences
+      fp32   the whitened prep conv: its 1x1 gradient would lose 2 % in fp16, 30 % in bf16
+      fp32   the loss (summed_loss, evaluate): a log of a sum of exponentials
+      fp32   the EMA's average, bf16's weights (the optimiser's copies): their steps are below
+             half a unit in the last place of fp16 and bf16 (ema_update, Nesterov)
+    The harness turns TF32 off: fp32 is fp32 on every GPU, whatever its generation."""
+    model.to(device, dtype, memory_format=layout)
     for module in model.modules():
         if isinstance(module, nn.BatchNorm2d):
             module.to(at_least_fp32(dtype))
@@ -330,18 +311,18 @@ class Nesterov:
 
     Each step's gradient (plus weight decay) is multiplied by that step's learning rate before it
     enters the momentum buffer v:  dw = -lr_t (g + wd w);  v <- m v + dw;  w <- w + dw + m v.
-    torch.optim.SGD applies the current rate to the whole buffer instead, the same only while the
-    rate is constant; as it rises, SGD's steps would be up to 45 % larger (at step 10, for a
-    constant gradient). bf16 weights are updated through fp32 copies ('masters': bf16's weight-decay
-    steps would round to nothing); fp16 weights in place, as Page did. Each line is one
-    torch._foreach_ call over a group's tensors: a few device calls a step, not a few a tensor."""
+    torch.optim.SGD applies the current rate to the whole buffer instead: as the rate rises, its
+    steps would be up to 45 % larger. bf16 weights are updated through fp32 copies ('masters'),
+    fp16 weights in place, as Page did. Each line is one torch._foreach_ call over a group."""
 
     def __init__(self, groups, momentum):
         self.momentum, self.groups = momentum, []
+        self.masters = {}  # each weight's tensor that the update is applied to: bf16's fp32 copy
         for group in groups:
             params = list(group['params'])
             bf16 = [p.dtype == torch.bfloat16 for p in params]
             masters = [p.detach().float() if low else p.detach() for p, low in zip(params, bf16)]
+            self.masters.update(zip(params, masters))
             self.groups.append(dict(group, params=params, masters=masters,
                                     velocities=[torch.zeros_like(w) for w in masters],
                                     bf16_params=[p for p, low in zip(params, bf16) if low],
@@ -352,8 +333,7 @@ class Nesterov:
         """A new run: zero momentum, and master copies of the re-initialised weights."""
         for g in self.groups:
             torch._foreach_zero_(g['velocities'])
-            if g['bf16_params']:
-                torch._foreach_copy_(g['bf16_masters'], g['bf16_params'])
+            torch._foreach_copy_(g['masters'], g['params'])  # bf16's copies; the rest: themselves
 
     @torch.no_grad()
     def step(self, lr):
@@ -373,9 +353,9 @@ class Nesterov:
 
 def optimiser(model, hyp):
     """Page's two groups: the batch-norm biases (bias_lr_scale) and every other trainable weight.
-    What a run asks of it, and of another optimiser put here: reset() once the run's weights are
-    drawn, in place (zero its state, read the weights), step(lr) after each backward of the loss
-    summed over the batch, lr the schedule's value, times each group's lr_scale (1 / batch_size)."""
+    What a run asks of it, and of another optimiser put here: reset() once a run's weights are
+    drawn (zero its state, read the weights); step(lr) after each backward of the summed loss, lr
+    the schedule's; masters, {weight: the tensor it updates}, which the EMA averages ({}: each)."""
     norm_biases = {id(m.bias) for m in model.modules() if isinstance(m, nn.BatchNorm2d)}
     trainable = [p for p in model.parameters() if p.requires_grad]
     biases = [p for p in trainable if id(p) in norm_biases]
@@ -385,17 +365,19 @@ def optimiser(model, hyp):
                      dict(params=biases, lr_scale=k / b, weight_decay=wd * b / k)], hyp['momentum'])
 
 
-def ema_tensors(model):
+def ema_tensors(model, masters=None):
     """What the EMA (exponential moving average) averages: every floating-point weight and batch
-    norm statistic. Page 8: a high rate travels far but ends noisy; an average of the last ~100
+    norm statistic, a weight's master copy where the optimiser keeps one (bf16's fp32 copies, not
+    their rounding). Page 8: a high rate travels far but ends noisy; an average of the last ~100
     steps sits nearer the minimum than any one, so the rate need not fall to 0 (94.1 -> 94.3 %)."""
-    return [t for t in model.state_dict().values() if t.is_floating_point()]
+    masters = masters or {}
+    tensors = [*model.parameters(), *model.buffers()]
+    return [masters.get(t, t) for t in tensors if t.is_floating_point()]
 
 
 @torch.no_grad()
 def ema_update(averages, tensors, momentum):
-    """averages <- momentum x averages + (1 - momentum) x tensors, in the averages' fp32: a 5 %
-    step (0.99^5 every 5 steps) is below half a unit in the last place of most fp16/bf16 weights."""
+    """averages <- momentum x averages + (1 - momentum) x tensors, in the averages' fp32."""
     torch._foreach_lerp_(averages, [t.to(a.dtype) for a, t in zip(averages, tensors)], 1 - momentum)
 
 
@@ -409,33 +391,36 @@ def summed_loss(model, images, labels, label_smoothing):
 
 
 class Networks:
-    """Built once for every run: the network trained, its fp32 EMA that is evaluated, the optimiser,
-    the loss and flip-TTA functions (compiled: torch.compile's mode, in channels_last but on MPS,
-    at fixed shapes that never recompile; False: eager in NCHW). reinitialise() draws weights."""
+    """Built once for every run: the network trained, its EMA (fp32), the EMA's weights in the
+    network's precision (evaluated), the optimiser, the loss and flip-TTA functions (compiled:
+    torch.compile's mode, channels_last but on MPS, fixed shapes; False: eager, NCHW). rank, world:
+    this process's place among those that split each batch (torchrun). reinitialise(): a run."""
 
-    def __init__(self, hyp, device, dtype, compiled):
+    def __init__(self, hyp, device, dtype, compiled, rank=0, world=1):
         self.hyp, self.device, self.dtype = hyp, device, dtype
+        self.rank, self.world = rank, world
         self.memory_format = layout = (torch.channels_last if compiled and device.type != 'mps' else
                                        torch.contiguous_format)
         initial = ResNet9(torch.zeros(27, 3, 3, 3), hyp)  # a run draws its weights and whitening
-        self.network = to_training_precision(copy.deepcopy(initial), dtype)
-        self.network.to(device, memory_format=layout)
-        self.parallel = data_parallel(self.network, device)  # a step calls it: DDP's, in torchrun
-        self.ema_dtype = at_least_fp32(dtype)  # the EMA is kept, and evaluated, in fp32
-        self.ema = initial.to(device, self.ema_dtype, memory_format=layout)
-        self.ema.eval().requires_grad_(False)
-        self.averaged_and_trained = ema_tensors(self.ema), ema_tensors(self.network)  # listed once
+        self.network = to_training_precision(copy.deepcopy(initial), dtype, device, layout)
+        self.parallel = self.network  # what a step calls: under torchrun, the harness's DDP of it
+        self.evaluated = to_training_precision(copy.deepcopy(initial), dtype, device, layout)
+        self.ema = initial.to(device, at_least_fp32(dtype), memory_format=layout)
+        for model in (self.ema, self.evaluated):
+            model.eval().requires_grad_(False)
+        self.optimiser = optimiser(self.network, hyp)
+        self.averages = ema_tensors(self.ema)  # each list made once: an update is one call
+        self.averaged = ema_tensors(self.network, self.optimiser.masters)
+        self.evaluated_weights = ema_tensors(self.evaluated)
         norms = [m for m in self.network.modules() if isinstance(m, nn.BatchNorm2d)]
         self.batch_norm_statistics = [t for m in norms for t in (m.running_mean, m.running_var)]
-        self.optimiser = optimiser(self.network, hyp)
-        self.summed_loss, tta = (torch.compile(f, dynamic=False, mode=compiled) if compiled else f
-                                 for f in (summed_loss, flip_tta_logits))
-        self.flip_tta_logits = in_tf32(tta) if evaluates_in_tf32(device, dtype) else tta
+        self.summed_loss, self.flip_tta_logits = (
+            torch.compile(f, dynamic=False, mode=compiled) if compiled else f
+            for f in (summed_loss, flip_tta_logits))
 
     @torch.no_grad()
     def reinitialise(self, whitening, seed):
-        """The weights a new ResNet9 draws with this seed, on the CPU (the same on every device and
-        rank), whatever its modules, and the run's whitening; the EMA starts equal."""
+        """A new ResNet9's weights, drawn on the CPU with seed (the same on any device)."""
         torch.manual_seed(seed)
         initial = ResNet9(whitening.cpu(), self.hyp).state_dict()
         self.network.load_state_dict(initial)  # into its dtype and layout
@@ -443,12 +428,23 @@ class Networks:
         self.optimiser.reset()
 
 
+@torch.no_grad()
+def average_over_ranks(tensors, world):
+    """Each tensor, in place, its mean over the world processes that split each batch under
+    torchrun (one all-reduce), so that every rank holds the same; alone (world 1), as it is."""
+    if world > 1:
+        flat = torch.cat([t.flatten() for t in tensors]) / world
+        dist.all_reduce(flat)
+        for t, mean in zip(tensors, flat.split([t.numel() for t in tensors])):
+            t.copy_(mean.view_as(t))
+
+
 def train_epoch(networks, images, labels, epoch, steps, hyp):
     """One pass over the batches: the summed loss and correct count (device tensors: nothing waits
-    for them) and the last lr. As in Page's code, the EMA updates after batches 0, 5, 10, ...;
-    without one (ema_momentum=0) the weights are copied after the last batch, to be evaluated."""
-    world = rank_and_world()[1]  # the ranks that split each batch: 1 in one process
-    batch = hyp['batch_size'] // world  # this rank's images of a step
+    for them), the last lr. The EMA updates after batches 0, 5, 10, ... as Page's (none: copies)."""
+    batch = hyp['batch_size'] // networks.world  # this process's images of a step
+    ema_steps = range(0, steps, hyp['ema_every']) if hyp['ema_momentum'] else [steps - 1]
+    ema_momentum = hyp['ema_momentum'] ** hyp['ema_every']  # a step's, applied every ema_every
     loss_sum = correct = 0  # tensors on the device after the first step
     for i in range(steps):
         step = (epoch - 1) * steps + i + 1  # the schedule at the step's end: the first lr is not 0
@@ -456,11 +452,11 @@ def train_epoch(networks, images, labels, epoch, steps, hyp):
         x, y = images[i * batch:(i + 1) * batch], labels[i * batch:(i + 1) * batch]
         networks.network.zero_grad()  # to None before the forward: the last gradients are freed
         loss, logits = networks.summed_loss(networks.parallel, x, y, hyp['label_smoothing'])
-        (loss * world).backward()  # DDP averages the ranks' gradients: x world, the batch's sum
+        (loss * networks.world).backward()  # DDP averages the ranks' gradients: x world, the sum
         networks.optimiser.step(lr)
-        if (i % hyp['ema_every'] == 0) if hyp['ema_momentum'] else i == steps - 1:
-            average_over_ranks(networks.batch_norm_statistics)  # the ranks' mean, one process's
-            ema_update(*networks.averaged_and_trained, hyp['ema_momentum'] ** hyp['ema_every'])
+        if i in ema_steps:
+            average_over_ranks(networks.batch_norm_statistics, networks.world)
+            ema_update(networks.averages, networks.averaged, ema_momentum)
         loss_sum += loss.detach()
         correct += (logits.argmax(1) == y).sum()
     return loss_sum, correct, lr
@@ -468,9 +464,9 @@ def train_epoch(networks, images, labels, epoch, steps, hyp):
 
 # ==== 4. Evaluation: the EMA model with flip test-time augmentation ============================
 def test_set(data, networks, hyp, last_batches=None):
-    """This rank's test images in the EMA's dtype and labels (their last_batches last batches)."""
-    rank, world = rank_and_world()  # this rank's: images rank, rank + world, ...
-    images = normalise(data['test_images'][rank::world], networks.device, networks.ema_dtype
+    """This process's test images (rank, rank + world, ...) in the network's dtype, and labels."""
+    rank, world = networks.rank, networks.world
+    images = normalise(data['test_images'][rank::world], networks.device, networks.dtype
                        ).contiguous(memory_format=networks.memory_format)
     labels = torch.from_numpy(data['test_labels'][rank::world]).to(networks.device)
     if last_batches:
@@ -481,30 +477,32 @@ def test_set(data, networks, hyp, last_batches=None):
 
 @torch.no_grad()
 def evaluate(networks, images, labels, hyp):
-    """Summed loss (label-smoothed, as in training) and correct count of the EMA model with flip-TTA
-    (or as flip_tta and ema_momentum say), and the correct count of TTA's first view alone."""
+    """Summed loss (label-smoothed) and correct count of the EMA's weights, cast to the network's
+    precision, with flip-TTA (as hyp says), and the correct count of TTA's first view alone."""
+    torch._foreach_copy_(networks.evaluated_weights, networks.averages)
     loss_sum = correct = plain_correct = 0  # tensors on the device after the first batch
     for x, y in zip(images.split(hyp['eval_batch_size']), labels.split(hyp['eval_batch_size'])):
-        plain, tta = networks.flip_tta_logits(networks.ema, x)
+        plain, tta = networks.flip_tta_logits(networks.evaluated, x)
         logits = tta if hyp['flip_tta'] else plain
-        loss_sum += F.cross_entropy(logits, y, label_smoothing=hyp['label_smoothing'],
-                                    reduction='sum')
+        loss_sum += F.cross_entropy(logits.to(at_least_fp32(logits.dtype)), y, reduction='sum',
+                                    label_smoothing=hyp['label_smoothing'])
         correct += (logits.argmax(1) == y).sum()
         plain_correct += (plain.argmax(1) == y).sum()
     return loss_sum, correct, plain_correct
 
 
-def evaluated(hyp):
-    """What valid accuracy is of, in the output's words: 'flip-TTA, EMA' in the recipe."""
-    return (f"{'flip-TTA' if hyp['flip_tta'] else 'no TTA'}, "
-            f"{'EMA' if hyp['ema_momentum'] else 'no EMA: the trained weights'}")
-
-
 # ==== 5. One run, timed by the DAWNBench rule ==================================================
+def synced_clock(device):
+    """The time once the device has done the work queued: CUDA and MPS run behind the host."""
+    if device.type != 'cpu':
+        torch.accelerator.synchronize(device)
+    return time.perf_counter()
+
+
 def train_run(data, networks, hyp, seed, on_epoch, steps_per_epoch=None, test_batches=None):
     """Train one model from the uint8 arrays: returns a row an epoch; its EMA is in networks.ema.
     seed fixes the weights and every augmentation draw (on the CPU: the same run on any device); the
-    last two arguments cut the warm-up short. The clock, read after a sync, skips the evaluation."""
+    last two arguments cut the warm-up short. The clock skips the evaluation."""
     device, generator = networks.device, torch.Generator().manual_seed(seed)
     test, test_labels = test_set(data, networks, hyp, test_batches)  # for evaluating: not timed
     start = synced_clock(device)
@@ -514,13 +512,13 @@ def train_run(data, networks, hyp, seed, on_epoch, steps_per_epoch=None, test_ba
     whitening = torch.zeros(27, 3, 3, 3)  # what a network without whitening ('none') is given
     if hyp['whitening'] != 'none':
         whitening = whitening_filters(train[:hyp['whitening_images']], hyp['whitening_eps'])
-        average_over_ranks([whitening])  # under torchrun, every rank's the same, bit for bit
+        average_over_ranks([whitening], networks.world)  # under torchrun, the same bit for bit
     networks.reinitialise(whitening, seed)
     total_time, rows = synced_clock(device) - start, []
     for epoch in range(1, hyp['epochs'] + 1):
         start = time.perf_counter()  # the device is idle: the last epoch's sums were read
         images, labels, steps = augmented_epoch(padded, train_labels, hyp, generator,
-                                                *rank_and_world())
+                                                networks.rank, networks.world)
         images = images.contiguous(memory_format=networks.memory_format)
         steps = min(steps, steps_per_epoch or steps)
         train_loss, train_correct, lr = train_epoch(networks, images, labels, epoch, steps, hyp)
@@ -529,8 +527,10 @@ def train_run(data, networks, hyp, seed, on_epoch, steps_per_epoch=None, test_ba
         valid_loss, valid_correct, plain_correct = evaluate(networks, test, test_labels, hyp)
         valid_time = synced_clock(device) - start
         total_time += train_time
-        train_loss, train_correct, valid_loss, valid_correct, plain_correct = sum_over_ranks(
-            train_loss, train_correct, valid_loss, valid_correct, plain_correct)
+        sums = torch.stack([train_loss, train_correct, valid_loss, valid_correct, plain_correct])
+        if networks.world > 1:
+            dist.all_reduce(sums)  # the sums over every process's share of the images
+        train_loss, train_correct, valid_loss, valid_correct, plain_correct = sums.tolist()
         n_train, n_test = steps * hyp['batch_size'], len(data['test_images'])
         rows.append(dict(epoch=epoch, lr=lr, train_time=train_time, train_loss=train_loss / n_train,
                          train_acc=train_correct / n_train, valid_time=valid_time,
@@ -546,6 +546,16 @@ def train_run(data, networks, hyp, seed, on_epoch, steps_per_epoch=None, test_ba
 # Harness: what a run is given (device, dtype, compilation, TF32, ranks, --tiny's TINY) and all
 # around it: download, torchrun, timing, reporting, statistics, job files, the command line.
 # #############################################################################################
+
+import argparse, codecs, contextlib, datetime, difflib, hashlib, http.client, inspect, io, json
+import os, pickle, platform, shutil, signal, sys, tarfile, tempfile, textwrap, threading
+import urllib.request, warnings
+from pathlib import Path
+
+TRICKS_OFF = {  # each of Page's tricks, and the setting that turns it off (the rest as it is)
+    'label smoothing': ('label_smoothing', 0), 'CELU': ('celu_alpha', 0),
+    'ghost batch norm': ('bn_split_size', 0), 'frozen scales': ('bn_scale_frozen', False),
+    'whitening': ('whitening', 'none'), 'EMA': ('ema_momentum', 0), 'flip-TTA': ('flip_tta', False)}
 
 # ==== Download and safe loading of CIFAR-10's files ============================================
 CLASSES = ('airplane', 'automobile', 'bird', 'cat', 'deer', 'dog', 'frog', 'horse', 'ship', 'truck')
@@ -719,67 +729,47 @@ def compiles(args, device, batch_ranks=1):
     return on and ('reduce-overhead' if device.type == 'cuda' and batch_ranks == 1 else 'default')
 
 
-def evaluates_in_tf32(device, dtype):
-    """Whether the EMA's fp32 evaluation may use TF32 (fp16's precision): CUDA 8.0+, fp16/bf16."""
-    return (device.type == 'cuda' and dtype != torch.float32
-            and torch.cuda.get_device_capability(device)[0] >= 8)
-
-
-def fp32_precision(device, dtype):
-    """On CUDA, TF32 off for training (the folded whitening's gradient would round as in fp16), on
-    for the EMA's evaluation (in_tf32); returns what the header says of it, None off CUDA."""
-    if device.type != 'cuda':
-        return None  # CPUs and MPS compute fp32 as fp32
-    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
-    warnings.filterwarnings('ignore', message='TensorFloat32 tensor cores')  # inductor's advice
-    return 'TF32 for the evaluation only' if evaluates_in_tf32(device, dtype) else 'TF32 off'
-
-
-def in_tf32(function):
-    """function, run with TF32 allowed (a compiled one compiles, once, with the flag so set)."""
-    def call(*args):
-        saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
-        torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = True
-        try:
-            return function(*args)
-        finally:
-            torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
-    return call
-
-
 # ==== Compilation: compiled before the warm-up, checked against eager, eager if it fails =======
-def compiled_warm_up(data, hyp, device, dtype, compiled, log):
-    """Build, compile if asked and warm up the networks: them, whether compiled, a run's seconds as
-    a CPU's warm-up foretells them (0 elsewhere: an H100's foretold 4 min for 5 s). Ranks splitting
-    batches all train eager if compilation fails on one (else collectives hang)."""
-    networks = Networks(hyp, device, dtype, compiled)
+def compiled_warm_up(data, hyp, device, dtype, compiled, log, rank=0, world=1):
+    """Build the networks (rank, world: as Networks takes them), compile them if asked, warm them
+    up. Returns them, whether they are compiled, and a run's seconds as a CPU's warm-up foretells
+    them (0 on a GPU, whose warm-up holds one-off costs). If compilation fails on one of the
+    processes that split each batch, they all train eager (else their collectives would hang)."""
+    networks = data_parallel(Networks(hyp, device, dtype, compiled, rank, world))
     if compiled:  # the training step at a run's shapes and first weights, then the flip-TTA pass
-        start, failure, batch = time.perf_counter(), None, hyp['batch_size'] // rank_and_world()[1]
+        start, failure, batch = time.perf_counter(), None, hyp['batch_size'] // world
         images = normalise(data['train_images'][:hyp['whitening_images']], device, torch.float32)
         x = normalise(data['train_images'][:batch], device, dtype)
         y = torch.from_numpy(data['train_labels'][:batch]).to(device)
-        try:  # no collective (no_sync): no rank waits for another
+        try:  # no collective (no_sync): no process waits for another
             networks.reinitialise(whitening_filters(images, hyp['whitening_eps']), seed=0)
-            with networks.parallel.no_sync() if SPLIT_BATCHES else contextlib.nullcontext():
+            with networks.parallel.no_sync() if world > 1 else contextlib.nullcontext():
                 failure = compiled_step_disagreement(
                     networks, x.contiguous(memory_format=networks.memory_format), y, hyp)
             if not failure:  # a full test batch and the last
                 evaluate(networks, *test_set(data, networks, hyp, last_batches=2), hyp)
         except Exception as error:
             failure = compile_failure_line(error)
-        if sum_over_ranks(torch.tensor(float(failure is not None), device=device))[0]:
-            rank, _, world = torchrun_ranks()
-            if failure or rank == 0:  # every rank that failed says why, rank 0 for the others
+        failures = torch.tensor(float(failure is not None), device=device)
+        if world > 1:
+            dist.all_reduce(failures)
+        if failures.item():
+            torchrun_rank, _, torchrun_world = torchrun_ranks()
+            if failure or torchrun_rank == 0:  # every rank that failed says why, rank 0 for all
                 failure = failure or 'torch.compile failed on another rank: every rank trains eager'
-                print(f'rank {rank}: {failure}' if world > 1 else failure, flush=True)
-            networks, compiled = Networks(hyp, device, dtype, False), False
+                if torchrun_world > 1:
+                    failure = f'rank {torchrun_rank}: {failure}'
+                print(failure, flush=True)
+            networks = data_parallel(Networks(hyp, device, dtype, False, rank, world))
+            compiled = False
         else:
             log(f'torch.compile ({compiled}): {time.perf_counter() - start:.1f} s, its step '
                 "checked against eager, before the warm-up, outside every run's time")
     for _ in range(1 + (device.type != 'cpu')):  # a GPU's first: cuDNN's search, graphs' capture
         row, = train_run(data, networks, {**hyp, 'epochs': 1}, 0, lambda row: None,
                          steps_per_epoch=2, test_batches=2)
-    return networks, compiled, run_estimate(row, hyp, data) if device.type == 'cpu' else 0
+    estimate = run_estimate(row, hyp, data, world) if device.type == 'cpu' else 0
+    return networks, compiled, estimate
 
 
 def compiled_step_disagreement(networks, x, y, hyp):
@@ -831,79 +821,42 @@ def compile_failure_line(error):
 
 
 # ==== torchrun: the ranks split each batch (the default) or train whole runs (--spread runs) ====
-SPLIT_BATCHES = False  # set by join_process_group; the helpers that split a batch act only then
-
-
 def torchrun_ranks():
     """(rank, local rank, world size) as torchrun sets them; (0, 0, 1) for a plain process."""
     return tuple(int(os.environ.get(name, default)) for name, default in
                  (('RANK', 0), ('LOCAL_RANK', 0), ('WORLD_SIZE', 1)))
 
 
-def rank_and_world():
-    """This rank and the ranks each batch is split over: (0, 1) in one process, and spread."""
-    return (dist.get_rank(), dist.get_world_size()) if SPLIT_BATCHES else (0, 1)
-
-
 def join_process_group(device, split_batches=True):
     """Join the ranks torchrun started: NCCL between GPUs that split batches, else gloo (CPUs, and
     ranks of whole runs, which only gather them: an idle NCCL group would hang at the end; a rank
     waits there for a round's slowest run, on a CPU hours beyond gloo's 30-minute timeout)."""
-    global SPLIT_BATCHES
     import torch.distributed.nn  # noqa: F401  now, not later: see leave_process_group
     nccl = device.type == 'cuda' and split_batches
     if device.type == 'cuda':
         torch.cuda.set_device(device)
     dist.init_process_group('nccl' if nccl else 'gloo', device_id=device if nccl else None,
                             timeout=None if split_batches else datetime.timedelta(days=7))
-    SPLIT_BATCHES = split_batches
 
 
 def leave_process_group():
     """Destroy the group, and gloo's threads, while Python runs (a thread left to its shutdown
     aborts it). Callers drop DDP models first; join_process_group imported torch.distributed.nn."""
-    global SPLIT_BATCHES
     if dist.is_initialized():
         dist.destroy_process_group()
-    SPLIT_BATCHES = False
 
 
-def data_parallel(net, device):
-    """net in DDP when the ranks split each batch, with forward_sync_buffers (before torch 2.13:
-    broadcast_buffers) off: train_epoch averages the batch-norm statistics instead."""
-    if not SPLIT_BATCHES:
-        return net
-    options = inspect.signature(nn.parallel.DistributedDataParallel).parameters
-    no_forward_sync = next(o for o in ('forward_sync_buffers', 'broadcast_buffers') if o in options)
-    return nn.parallel.DistributedDataParallel(
-        net, device_ids=[device] if device.type == 'cuda' else None, **{no_forward_sync: False})
-
-
-@torch.no_grad()
-def average_over_ranks(tensors):
-    """Replace each tensor by its mean over the ranks, the same on every rank: one all-reduce."""
-    if SPLIT_BATCHES:
-        flat = torch.cat([t.flatten() for t in tensors]) / dist.get_world_size()
-        dist.all_reduce(flat)
-        for t, mean in zip(tensors, flat.split([t.numel() for t in tensors])):
-            t.copy_(mean.view_as(t))
-
-
-def sum_over_ranks(*values):
-    """The values (0-dim tensors on the device) summed over the ranks, as Python floats."""
-    sums = torch.stack([v.float() for v in values])
-    if SPLIT_BATCHES:
-        dist.all_reduce(sums)
-    return sums.tolist()
-
-
-def synced_clock(device):
-    """The clock, read once the device, and under torchrun every rank, has done its queued work."""
-    if device.type != 'cpu':
-        torch.accelerator.synchronize(device)  # cuda's or mps's
-    if SPLIT_BATCHES:  # ranks that train whole runs alone keep their own time
-        dist.barrier()
-    return time.perf_counter()
+def data_parallel(networks):
+    """networks, whose step calls its network in DDP where world processes split each batch, with
+    forward_sync_buffers (before torch 2.13: broadcast_buffers) off: train_epoch averages the
+    batch-norm statistics instead."""
+    if networks.world > 1:
+        options = inspect.signature(nn.parallel.DistributedDataParallel).parameters
+        no_sync = next(o for o in ('forward_sync_buffers', 'broadcast_buffers') if o in options)
+        device_ids = [networks.device] if networks.device.type == 'cuda' else None
+        networks.parallel = nn.parallel.DistributedDataParallel(
+            networks.network, device_ids=device_ids, **{no_sync: False})
+    return networks
 
 
 @contextlib.contextmanager
@@ -944,6 +897,12 @@ def run_table_lines(run, runs_requested, source=''):
     return lines
 
 
+def evaluated(hyp):
+    """What valid accuracy is of, in the output's words: 'flip-TTA, EMA' in the recipe."""
+    return (f"{'flip-TTA' if hyp['flip_tta'] else 'no TTA'}, "
+            f"{'EMA' if hyp['ema_momentum'] else 'no EMA: the trained weights'}")
+
+
 def header_lines(job, world=1, spread=False):
     """A log's lines before its first row (job: Job.context): version, device, settings, FLOPs."""
     device, flops, peak = job['device'], job['flops'], job['peak_tflops']
@@ -955,9 +914,9 @@ def header_lines(job, world=1, spread=False):
         device += f' | {world} ranks ({dist.get_backend()}), {share}'
         peak += f' x {world}' if peak and not spread else ''
     tflop = {key: f'{value / 1e12:.4g} TFLOP' for key, value in flops.items()}
-    fp32_math = f"; {job['fp32_math']}" if job['fp32_math'] else ''
+    dtype, evaluation = (job[key].split('.')[-1] for key in ('dtype', 'evaluation_dtype'))
     return [f"train_cifar10.py {job['script_sha256']} | torch {job['torch']} | {device}",
-            f"dtype {job['dtype'].split('.')[-1]} (batch norm, evaluation fp32{fp32_math}) | "
+            f'dtype {dtype}, evaluation {evaluation} (batch norm and the loss fp32; no TF32) | '
             f"seed {job['seed']} | {job['train_images']} train / {job['test_images']} test images",
             *textwrap.wrap('hyperparameters: ' + ', '.join(f'{k}={v}' for k, v in hyp.items()), 100,
                            subsequent_indent='    ', break_long_words=False),
@@ -969,9 +928,9 @@ def header_lines(job, world=1, spread=False):
             *([f"Page's tricks off: {', '.join(off)}"] if off else [])]
 
 
-def run_estimate(warm_up, hyp, data):
+def run_estimate(warm_up, hyp, data, world=1):
     """A run's seconds, as the warm-up's row (2 steps, 2 evaluation batches) foretells them."""
-    batches = math.ceil(len(data['test_images']) / rank_and_world()[1] / hyp['eval_batch_size'])
+    batches = math.ceil(len(data['test_images']) / world / hyp['eval_batch_size'])
     steps = len(data['train_images']) // hyp['batch_size']
     return hyp['epochs'] * (steps * warm_up['train_time'] + batches * warm_up['valid_time']) / 2
 
@@ -1172,7 +1131,7 @@ def welch(a, b):
 JOB_FORMAT = 'train_cifar10.py job, format 3'
 # A job's identity (--resume refuses to mix, --compare shows): what can change a run's numbers.
 DATA_KEYS = ('data', 'data_digest', 'test_images')
-JOB_KEYS = ('script_sha256', 'torch', 'device', 'ranks', 'dtype', 'fp32_math', 'compile',
+JOB_KEYS = ('script_sha256', 'torch', 'device', 'ranks', 'dtype', 'evaluation_dtype', 'compile',
             'hyperparameters', 'seed', 'train_images', *DATA_KEYS)
 
 
@@ -1511,7 +1470,7 @@ class Job:
             script_sha256=hashlib.sha256(Path(script).read_bytes()).hexdigest()[:16]
             if script and os.path.isfile(script) else 'n/a', torch=torch.__version__,
             device=device_description(device), ranks=self.batch_ranks, dtype=str(self.dtype),
-            fp32_math=fp32_precision(device, self.dtype), compile=self.compiled,
+            evaluation_dtype=str(self.dtype), compile=self.compiled,
             hyperparameters=hyp, seed=args.seed, flops=count_flops(hyp, len(data['train_images'])),
             peak_tflops=peak_tflops(device, self.dtype, args.peak_tflops), data=data['provenance'],
             data_digest=data['digest'], train_images=len(data['train_images']),
@@ -1548,6 +1507,9 @@ class Job:
         """Header, runs read back, warm-up, the missing runs (spread: a run a rank each round)."""
         args, hyp, log = self.args, self.hyp, self.log
         torch.backends.cudnn.benchmark = self.device.type == 'cuda'  # shapes fixed: time kernels
+        torch.backends.cudnn.allow_tf32 = False  # fp32 is fp32 on every GPU: the recipe's table
+        torch.backends.cuda.matmul.allow_tf32 = False
+        warnings.filterwarnings('ignore', message='TensorFloat32 tensor cores')  # inductor's advice
         log('\n'.join(header_lines(self.context, self.world, self.spread)))
         for run in self.runs:
             log('\n'.join(run_table_lines(run, args.runs, f', read back from {args.resume}')))
@@ -1555,8 +1517,10 @@ class Job:
         if missing:
             log(f"\n{'compilation, then ' if self.compiled else ''}warm-up: an untimed run of 2 "
                 'steps and 2 evaluation batches takes the one-off costs', flush=True)
+            split_rank = 0 if self.spread else self.rank  # its place among batch_ranks
             self.networks, self.compiled, run_s = compiled_warm_up(
-                self.data, hyp, self.device, self.dtype, self.compiled, log)
+                self.data, hyp, self.device, self.dtype, self.compiled, log, split_rank,
+                self.batch_ranks)
         self.started = self.kept_at = time.perf_counter()
         width, mine = (self.world, self.rank) if self.spread else (1, 0)  # runs a round, its own
         for first in range(0, len(missing), width):
