@@ -12,7 +12,6 @@ import errno
 import gzip
 import hashlib
 import http.server
-import importlib.util
 import inspect
 import io
 import json
@@ -29,7 +28,6 @@ import tarfile
 import tempfile
 import threading
 import time
-import traceback
 import types
 from functools import partial
 from pathlib import Path
@@ -667,7 +665,7 @@ def test_warm_up_makes_every_tensor_shape_of_a_run(dataset):
     data = T.load_cifar10(T.ensure_cifar10(dataset))
     hyp = {**T.HYP, **T.TINY, 'epochs': 2, 'batch_size': 128, 'eval_batch_size': 64}   # 200 test images: 64 x 3 + 8
     with ShapeLog() as warm:
-        networks, _, _ = T.compiled_warm_up(data, hyp, torch.device('cpu'), torch.float32, False, print)
+        networks, _ = T.compiled_warm_up(data, hyp, torch.device("cpu"), torch.float32, False, print)
     with ShapeLog() as run:
         T.train_run(data, networks, hyp, 0, lambda row: None)
     assert run.shapes <= warm.shapes, sorted(run.shapes - warm.shapes)
@@ -955,6 +953,7 @@ def test_the_summary_of_one_run_says_what_it_has_in_plain_units():
 def test_a_summary_says_when_its_runs_are_too_few_for_an_interval(tmp_path):
     """56.5 % +- 12.706 x 4.5 points: no interval in the summary, the job file or the picture (whose mean is
     drawn as the summary's: 100 x the mean of 0.52 and 0.61 is not the mean of 52 and 61, to the last bit)."""
+    pytest.importorskip('matplotlib')                            # --plot's; CI installs it
     runs = [dict(failed=False, accuracy=a, time_s=1.0, rows=[{}]) for a in (0.52, 0.61)]
     summary = T.summarize(runs, count_94=False)
     assert 'acc_ci95' not in summary
@@ -1021,13 +1020,15 @@ def test_help_gives_examples_and_no_empty_defaults(capsys, monkeypatch):
     assert '(default: 512, --tiny 64)' in out and '(default: 0)' in out   # a written default, a default of 0
     assert 'examples:' in out and '--resume a.json' in out and '--compare a.json b.json' in out
     options = out.split('options:')[1].split('examples:')[0]
-    assert len(options.splitlines()) <= 45          # 21 options, a short line each: README's table has the rest
+    assert len(options.splitlines()) <= 55          # a short line an option, --set's defaults and tricks: README has more
     listed = ' '.join(options.split('--set NAME=VALUE [NAME=VALUE ...]')[1].split('\n  --tiny')[0].split())
     assert all(f'{name}={value}' in listed.split() for name, value in [
         ('label_smoothing', 0.2), ('channels', '64,128,256,512'), ('train_images', 50000), ('logit_scale', 0.0625)])
-    assert len(listed.split()) == len(T.HYP) + 6 + 3 + len(T.TRICKS_OFF)  # "hyperparameters; the defaults (--tiny's:
-    assert listed.endswith("Page's tricks off: label_smoothing=0 celu_alpha=0 bn_split_size=0 "  # TINY) are", then
-                           'bn_scale_frozen=False whitening=none ema_momentum=0 flip_tta=False')  # "Page's tricks off:"
+    defaults, tricks = listed.split(". Page's tricks, each off: ")
+    assert len(defaults.split()) == len(T.HYP) + 6                # "hyperparameters; the defaults (--tiny's: TINY) are"
+    assert tricks.split('; ') == [f'{instead} instead of {trick}: {name}={value}'   # each trick beside its switch
+                                  for trick, (instead, name, value) in T.TRICKS_OFF.items()]
+    assert 'ReLU instead of CELU: celu_alpha=0' in tricks
     monkeypatch.setattr(T, '__doc__', None)                         # python -OO strips docstrings
     assert T.main(['--help']) == 0 and '--epochs EPOCHS' in capsys.readouterr().out
 
@@ -1179,7 +1180,7 @@ def test_wrong_checksum_is_refused_and_nothing_is_kept(tmp_path, server):
     data_dir = tmp_path / 'data'
     with pytest.raises(T.UserError, match='md5'):
         T.ensure_cifar10(data_dir, url + '/a.tar.gz', '0' * 32)
-    assert not data_dir.exists()                                  # nor its folder: no archive, no part
+    assert leftovers(data_dir) == []                              # no archive, no part
 
 
 def test_corrupt_archive_is_refused_and_nothing_is_extracted(tmp_path, monkeypatch):
@@ -1201,23 +1202,15 @@ def test_corrupt_archive_is_refused_and_nothing_is_extracted(tmp_path, monkeypat
                          hashlib.md5((tmp_path / 'garbage.tar.gz').read_bytes()).hexdigest())
 
 
-def test_a_python_without_tarfiles_data_filter_is_told_to_upgrade(tmp_path, monkeypatch):
-    archive, md5 = make_archive(tmp_path)
-    (tmp_path / 'a.tar.gz').write_bytes(archive)
-    monkeypatch.delattr(T.tarfile, 'data_filter')                 # Python 3.10.11 and older
-    with pytest.raises(T.UserError, match='use Python 3.10.12, 3.11.4, 3.12 or later'):
-        T.ensure_cifar10(tmp_path / 'data', (tmp_path / 'a.tar.gz').as_uri(), md5)
-
-
 def test_no_network_gives_one_clear_error_and_leaves_nothing(tmp_path, server):
     url, files, _, _ = server
-    with pytest.raises(T.UserError, match='cannot download .*404'):
+    with pytest.raises(T.UserError, match='cannot download .*Not Found'):
         T.ensure_cifar10(tmp_path / 'data', url + '/missing.tar.gz')
     with pytest.raises(T.UserError) as refused:   # a mistyped path, offline: the likelier cause comes first
         T.ensure_cifar10(tmp_path / 'a' / 'b', 'http://127.0.0.1:9/cifar-10-python.tar.gz')  # refused
     assert re.match(r'no CIFAR-10 in --data-dir .*a/b \(is that path right\?\); '
                     r'cannot download http://127\.0\.0\.1:9/', str(refused.value))
-    assert leftovers(tmp_path) == []                              # no folder it made, no archive, no part
+    assert not [path for path in tmp_path.rglob('*') if path.is_file()]   # no archive, no part file
     (tmp_path / 'mine').mkdir()
     with pytest.raises(T.UserError, match='cannot download'):
         T.ensure_cifar10(tmp_path / 'mine', url + '/missing.tar.gz')
@@ -1255,7 +1248,7 @@ def test_a_mirror_is_used_and_still_checked_against_the_official_md5(tmp_path, s
     files['/mirror/cifar-10-python.tar.gz'] = archive
     # a mirror serving anything but the official archive is refused, and nothing is kept
     assert T.main(['--tiny', '--data-dir', str(tmp_path / 'data'), '--data-url', url + '/mirror/cifar-10-python.tar.gz']) == 1
-    assert f'not {T.CIFAR10_MD5}' in capsys.readouterr().err and not (tmp_path / 'data').exists()
+    assert f'not {T.CIFAR10_MD5}' in capsys.readouterr().err and leftovers(tmp_path / 'data') == []
     monkeypatch.setattr(T, 'CIFAR10_MD5', md5)                   # pretend the generated archive is official
     monkeypatch.setenv('CIFAR10_URL', url + '/mirror/cifar-10-python.tar.gz')   # the notebook's way
     assert T.main(['--tiny', '--epochs', '1', '--batch-size', '32', '--data-dir', str(tmp_path / 'data')]) == 0
@@ -1271,11 +1264,11 @@ def test_the_batches_folder_itself_works_as_data_dir_and_a_file_is_refused(tmp_p
 
 
 @pytest.mark.parametrize('args, message', [
-    (['--epochs', '0'], '--epochs 0: must be in [1, inf)'),
+    (['--epochs', '0'], '--epochs 0: must be a finite number of at least 1'),
     (['--runs', '-1'], '--runs -1: must be at least 1'),
     (['--batch-size', '48'], '--batch-size 48: must be a positive multiple of 32'),
     (['--batch-size', '2048'], '--batch-size 2048: larger than the 1000 training images'),
-    (['--set', 'cutout=40'], '--set cutout=40: must be in [0, 32]'),
+    (['--set', 'cutout=40'], '--set cutout=40: must be at most 32'),
     (['--device', 'tpu'], "--device 'tpu': not a device torch trains on here"),
 
     (['--device', 'cuda'], 'sees no CUDA GPU(s)' + ('' if torch.version.cuda else ' (this torch is a CPU-only build)')),
@@ -1429,21 +1422,13 @@ def test_evaluation_runs_in_the_networks_dtype_with_batch_norm_and_the_loss_in_f
     assert log.seen['_log_softmax'] == {'float32'}
 
 
-def test_a_dtype_the_device_cannot_run_is_refused(monkeypatch):
-    def unsupported(*args, **kwargs):
-        raise RuntimeError('"slow_conv2d_cpu" not implemented for \'Half\'')
-    monkeypatch.setattr(T.F, 'conv2d', unsupported)
-    with pytest.raises(T.UserError, match='--dtype fp16 does not run on cpu'):
-        T.pick_dtype('fp16', torch.device('cpu'))
-
-
 # A whole --tiny run in 4 steps of 64 images and 100 test images: seconds on a 2-core CPU
 SMALL_RUN = ['--tiny', '--epochs', '1', '--device', 'cpu', '--set', 'train_images=256', 'test_images=100']
 
 
 @pytest.mark.parametrize('option, dtype', [('fp16', torch.float16), ('bf16', torch.bfloat16)])
 def test_half_precision_from_the_command_line_trains_a_whole_run(dataset, tmp_path, monkeypatch, capsys, option, dtype):
-    """--dtype fp16 or bf16 through main on the CPU: the probe passes, the header and the job file
+    """--dtype fp16 or bf16 through main on the CPU: the header and the job file
     name the dtype, the network trains with weights in it, and the run's rows are finite."""
     trained_in, train_epoch = set(), T.train_epoch
     monkeypatch.setattr(T, 'train_epoch', lambda networks, *args: trained_in.update(
@@ -1461,7 +1446,7 @@ def test_half_precision_from_the_command_line_trains_a_whole_run(dataset, tmp_pa
 # ---------------------------------------------------------------------------------------------
 # Page's tricks, each with the setting that turns it off (TRICKS_OFF)
 # ---------------------------------------------------------------------------------------------
-ALL_TRICKS_OFF = {name: value for name, value in T.TRICKS_OFF.values()}
+ALL_TRICKS_OFF = {name: value for _, name, value in T.TRICKS_OFF.values()}
 
 
 @pytest.mark.parametrize('name, value', [*ALL_TRICKS_OFF.items(), ('whitening', 'learned')])
@@ -1558,8 +1543,8 @@ def test_every_trick_off_trains_through_main_and_help_lists_the_switches(dataset
     """One --tiny epoch with all seven off, the whitening learned in another: each finishes with finite
     rows, the header and the job file say what was run."""
     assert T.main(['--help']) == 0
-    assert ("Page's tricks off: label_smoothing=0 celu_alpha=0 bn_split_size=0 bn_scale_frozen=False "
-            'whitening=none ema_momentum=0 flip_tta=False' in ' '.join(capsys.readouterr().out.split()))
+    listed = ' '.join(capsys.readouterr().out.split())
+    assert all(f'{name}={value}' in listed for name, value in ALL_TRICKS_OFF.items())
     for settings in ([f'{k}={v}' for k, v in ALL_TRICKS_OFF.items()], ['whitening=learned']):
         path = tmp_path / f'{len(settings)}.json'
         argv = ['--tiny', '--epochs', '1', '--data-dir', str(dataset), '--json', str(path), '--set', *settings]
@@ -1576,35 +1561,6 @@ def test_every_trick_off_trains_through_main_and_help_lists_the_switches(dataset
             assert 'without flip-TTA (each image alone): mean' in out
 
 
-def test_the_probe_blames_the_code_for_an_error_of_the_code_and_the_device_only_when_a_bare_conv_fails(
-        tmp_path, monkeypatch, capsys):
-    """An edit that breaks half precision only (a raise planted in the batch norm, as a parameter the
-    old to_training_precision could not convert did) is the code's error: raised as it is, its
-    traceback ending at its line; a convolution that cannot run is the device's, in one line."""
-    planted = SCRIPT.read_text().replace(
-        "        as_channels = not torch.compiler.is_compiling()",
-        "        if x.dtype == torch.float16:\n"
-        "            raise TypeError('planted')\n"
-        "        as_channels = not torch.compiler.is_compiling()")
-    path = tmp_path / 'edited.py'
-    path.write_text(planted)
-    line = planted.splitlines().index("            raise TypeError('planted')") + 1
-    spec = importlib.util.spec_from_file_location('edited', path)
-    edited = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(edited)
-    assert edited.pick_dtype('fp32', torch.device('cpu')) == torch.float32           # fp32 never meets it
-    with pytest.raises(TypeError, match='^planted$') as error:
-        edited.pick_dtype('fp16', torch.device('cpu'))
-    last = traceback.extract_tb(error.value.__traceback__)[-1]
-    assert (last.filename, last.lineno) == (str(path), line)
-    assert capsys.readouterr().err == ('the dtype probe, 2 steps of the recipe in fp16 on cpu (channels (8, 16, 24, '
-                                       '32)), failed where a bare convolution runs: likely an error of the code, not '
-                                       'of the device; its traceback:\n')
-    monkeypatch.setattr(edited.F, 'conv2d', lambda *args, **kwargs: (_ for _ in ()).throw(RuntimeError('no conv')))
-    with pytest.raises(edited.UserError, match=r'^--dtype fp16 does not run on cpu \(RuntimeError: no conv\); choose'):
-        edited.pick_dtype('fp16', torch.device('cpu'))
-
-
 # ---------------------------------------------------------------------------------------------
 # End to end
 # ---------------------------------------------------------------------------------------------
@@ -1613,6 +1569,7 @@ def test_tiny_run_learns_prints_the_table_and_writes_its_files(dataset, tmp_path
     machine without a C++ compiler: one line says so, and the runs train eager. One epoch a run: it
     learns (the EMA that is evaluated, at 0.9 from its initial weights, needs more) and makes every
     line and file that four do."""
+    pytest.importorskip('matplotlib')                            # --plot's; CI installs it
     data_dir, out, epochs = Path(CIFAR10_DIR or dataset), tmp_path / 'out', 1
     out.mkdir()
     result = run_script('--tiny', '--epochs', str(epochs), '--compile', '--device', 'cpu', '--data-dir', str(data_dir),
@@ -1654,7 +1611,7 @@ def test_tiny_run_learns_prints_the_table_and_writes_its_files(dataset, tmp_path
     assert 'mean by epoch: ' + ' '.join(f'{100 * a:.2f}' for a in by_epoch) + ' %' in lines   # its course
     last = report['runs'][1]['rows'][-1]
     assert png_size(out / 'r.png') == ONE_JOB_PNG and 'plot' not in report['options']   # not for --resume
-    assert sorted(p.name for p in out.iterdir()) == ['.r.json.lock', 'ema.pt', 'r.json', 'r.png']  # no part files
+    assert sorted(p.name for p in out.iterdir()) == ['ema.pt', 'r.json', 'r.png']   # no part files
     checkpoint = torch.load(out / 'ema.pt')                       # its normalisation: Page's, what the run used
     assert (checkpoint['mean'], checkpoint['std']) == (PAGE_MEAN, PAGE_STD)
 
@@ -1735,27 +1692,8 @@ def test_ctrl_c_at_any_stage_ends_cleanly(dataset, tmp_path, monkeypatch, capsys
         runs = json.loads((tmp_path / 'r.json').read_text())['runs']
         assert [(run['run'], run['seed'], len(run['rows'])) for run in runs] == [(1, 10, 1), (2, 11, 1), (3, 12, 1)]
     else:
-        assert 'runs:' not in out and leftovers(tmp_path) == ['.r.json.lock']   # the lock file stays
+        assert 'runs:' not in out and leftovers(tmp_path) == []
         assert out.endswith('interrupted; no run was finished: run the same command again\n')   # no --resume yet
-
-
-def test_ctrl_c_as_a_finished_job_ends_changes_nothing(finished_job, tmp_path, monkeypatch, capsys):
-    """Ctrl-C after the last run, while the process group is left (seconds under NCCL): the summary
-    and status 0, no traceback, the file as it was."""
-    (source, text), options = copy_of(finished_job[0], tmp_path), finished_job[1]
-    no_training(monkeypatch)
-    leave = T.leave_process_group
-
-    def interrupted_leave():
-        signal.raise_signal(signal.SIGINT)                        # returns once its handler has run
-        leave()
-    monkeypatch.setattr(T, 'leave_process_group', interrupted_leave)
-    before = signal.signal(signal.SIGINT, signal.default_int_handler)   # ignored in a shell's `&` job
-    try:
-        assert T.main([*options, '--runs', '2', '--resume', str(source)]) == 0
-    finally:
-        signal.signal(signal.SIGINT, before)
-    assert 'runs: 2 finished' in capsys.readouterr().out and source.read_bytes() == text
 
 
 def test_ctrl_c_during_a_download_leaves_no_part(tmp_path, monkeypatch, capsys):
@@ -1776,7 +1714,7 @@ def test_ctrl_c_during_a_download_leaves_no_part(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(T.urllib.request, 'urlopen', lambda *args, **kwargs: Response())
     assert T.main(['--tiny', '--data-dir', str(tmp_path / 'data')]) == 130
     assert 'interrupted' in capsys.readouterr().out
-    assert not (tmp_path / 'data').exists()                         # no part file, nor the folder made
+    assert leftovers(tmp_path / 'data') == []                       # no part file
 
 
 def without_times(run):
@@ -1842,7 +1780,7 @@ def test_a_full_disk_stops_the_job_in_one_line_and_resume_finishes_it(dataset, t
                                             f'job stopped; fix that, then --resume {job} trains the runs it lacks')
     assert 'Traceback' not in err and 'runs: 2 finished' in out
     assert [run['run'] for run in json.loads(job.read_text())['runs']] == ([1] if flag == '--json' else [1, 2])
-    assert sorted(p.name for p in tmp_path.iterdir()) == ['.job.json.lock', 'job.json', 'model.pt']
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['job.json', 'model.pt']
     monkeypatch.undo()
     assert T.main([*options, '--resume', str(job)]) == 0
     assert [run['run'] for run in json.loads(job.read_text())['runs']] == [1, 2, 3]
@@ -1859,17 +1797,6 @@ def test_peak_tflops_reaches_the_header_and_the_model_flop_utilisation(dataset, 
     mfu = job['flops']['run'] / job['runs'][0]['time_s'] / 0.002e12
     assert job['peak_tflops'] == 0.002 and job['summary']['mfu'] == pytest.approx(mfu, rel=1e-12)
     assert float(re.search(r'utilisation (\d+\.\d) %', out)[1]) == pytest.approx(100 * mfu, abs=0.05 + 1e-9)
-
-
-def test_a_job_file_without_file_locks_is_written_all_the_same(dataset, tmp_path, monkeypatch):
-    """Where Python has no fcntl (Windows), nothing locks the job file: the job runs and writes it
-    whole, and no lock file is left."""
-    monkeypatch.setitem(sys.modules, 'fcntl', None)               # `import fcntl` raises ImportError
-    with pytest.raises(ImportError):
-        import fcntl  # noqa: F401
-    path = tmp_path / 'r.json'
-    assert T.main([*SMALL_RUN, '--data-dir', str(dataset), '--json', str(path)]) == 0
-    assert os.listdir(tmp_path) == ['r.json'] and T.read_job(path, '--json')['runs_finished'] == 1
 
 
 def test_a_closed_output_stops_the_job_quietly_and_keeps_its_finished_runs(dataset, tmp_path):
@@ -1912,7 +1839,7 @@ def write_job(path, job):
 
 
 def no_training(monkeypatch):
-    """Every run's networks come from compiled_warm_up (the dtype's probe trains apart from it)."""
+    """Every run's networks come from compiled_warm_up."""
     monkeypatch.setattr(T, 'compiled_warm_up', lambda *args, **kwargs: pytest.fail('it trained'))
 
 
@@ -1940,10 +1867,9 @@ def test_resume_refuses_a_different_job_and_leaves_its_file(finished_job, tmp_pa
     assert T.main([*options, '--runs', '3', '--resume', str(path)]) == 1
     err = capsys.readouterr().err.strip()
     if message is None:
-        message = ('the script has changed since that job began (sha256 0123456789abcdef -> '
-                   f'{hashlib.sha256(SCRIPT.read_bytes()).hexdigest()[:16]}): resume it with the script')
-    else:
-        message = f'that job differs from this one in {message}'
+        message = ('script_sha256 (0123456789abcdef -> '
+                   f'{hashlib.sha256(SCRIPT.read_bytes()).hexdigest()[:16]}), that job')
+    message = f'that job differs from this one in {message}'
     assert err.startswith(f'error: --resume {path}: {message}') and '\n' not in err
     assert path.read_bytes() == text
 
@@ -1964,12 +1890,13 @@ def test_resume_refuses_a_file_that_is_not_a_job_of_its_own_in_one_line(finished
     err = capsys.readouterr().err.strip()
     assert err.startswith('error: --resume ') and str(path) in err and re.search(message, err) and '\n' not in err
     assert (path.read_bytes() if content else path.exists()) == (text if content else False)
-    assert sorted(p.name for p in tmp_path.iterdir()) == (['.job.json.lock', 'job.json'] if content else [])
+    assert sorted(p.name for p in tmp_path.iterdir()) == (['job.json'] if content else [])
 
 
 def test_resume_of_a_finished_job_prints_its_tables_and_summary_and_trains_nothing(finished_job, monkeypatch,
                                                                                   capsys, tmp_path):
     """Its file stays as it is, its summary too; --plot draws its runs."""
+    pytest.importorskip('matplotlib')                            # --plot's; CI installs it
     source, text = copy_of(finished_job[0], tmp_path)
     options, runs = finished_job[1], T.read_job(source, '--resume')['runs']
     no_training(monkeypatch)                                      # no warm-up, no run
@@ -2092,24 +2019,24 @@ def test_set_changes_any_hyperparameter_and_resume_and_compare_carry_it(finished
     ('channels=8,16', 2, "error: argument --set: 'channels=8,16': channels takes a value like 64,128,256,512; "),
     ('label_smoothing', 2, "error: argument --set: 'label_smoothing': no '=': --set takes NAME=VALUE, as "
                            'label_smoothing=0.2; --help'),                                # --set label_smoothing 0.1
-    ('channels=(8, 0, 32, 64)', 1, 'error: --set channels=8,0,32,64: must be in [1, inf)\n'),   # would crash a run
-    ('bn_split_size=-1', 1, 'error: --set bn_split_size=-1: must be in [0, inf)\n'),
-    ('celu_alpha=-0.1', 1, 'error: --set celu_alpha=-0.1: must be in [0, inf)\n'),
+    ('channels=(8, 0, 32, 64)', 1, 'error: --set channels=8,0,32,64: must be a finite number of at least 1\n'),   # would crash a run
+    ('bn_split_size=-1', 1, 'error: --set bn_split_size=-1: must be a finite number of at least 0\n'),
+    ('celu_alpha=-0.1', 1, 'error: --set celu_alpha=-0.1: must be a finite number of at least 0\n'),
     ('flip_tta=false', 2, "error: argument --set: 'flip_tta=false': flip_tta takes a value like True; "),
     ('bn_scale_frozen=1', 2, "error: argument --set: 'bn_scale_frozen=1': bn_scale_frozen takes a value like "),
-    ('whitening=learnt', 1, 'error: --set whitening=learnt: must be in {fixed, learned, none}\n'),
+    ('whitening=learnt', 1, 'error: --set whitening=learnt: must be fixed, learned or none\n'),
     ('bn_split_size=24', 1, "error: --batch-size 64: must be a positive multiple of 24 (ghost batch norm's"),
-    ('label_smoothing=1.5', 1, 'error: --set label_smoothing=1.5: must be in [0, 1)\n'),
-    ('label_smoothing=1', 1, 'error: --set label_smoothing=1.0: must be in [0, 1)\n'),   # uniform targets: no signal
-    ('pad=32', 1, 'error: --set pad=32: must be in [0, 31]\n'),
-    ('momentum=1.5', 1, 'error: --set momentum=1.5: must be in [0, 1)\n'),    # would not make the method's run
-    ('momentum=1', 1, 'error: --set momentum=1.0: must be in [0, 1)\n'),
-    ('lr_peak=-1', 1, 'error: --set lr_peak=-1.0: must be in (0, inf)\n'),
-    ('lr_peak=nan', 1, 'error: --set lr_peak=nan: must be in (0, inf)\n'),
-    ('weight_decay=-5e-4', 1, 'error: --set weight_decay=-0.0005: must be in [0, inf)\n'),
-    ('ema_momentum=1.01', 1, 'error: --set ema_momentum=1.01: must be in [0, 1)\n'),
-    ('whitening_eps=0', 1, 'error: --set whitening_eps=0.0: must be in (0, inf)\n'),
-    ('train_images=0', 1, 'error: --set train_images=0: must be in [1, inf)\n'),
+    ('label_smoothing=1.5', 1, 'error: --set label_smoothing=1.5: must be below 1\n'),
+    ('label_smoothing=1', 1, 'error: --set label_smoothing=1.0: must be below 1\n'),   # uniform targets: no signal
+    ('pad=32', 1, 'error: --set pad=32: must be at most 31\n'),
+    ('momentum=1.5', 1, 'error: --set momentum=1.5: must be below 1\n'),    # would not make the method's run
+    ('momentum=1', 1, 'error: --set momentum=1.0: must be below 1\n'),
+    ('lr_peak=-1', 1, 'error: --set lr_peak=-1.0: must be a finite number above 0\n'),
+    ('lr_peak=nan', 1, 'error: --set lr_peak=nan: must be a finite number above 0\n'),
+    ('weight_decay=-5e-4', 1, 'error: --set weight_decay=-0.0005: must be a finite number of at least 0\n'),
+    ('ema_momentum=1.01', 1, 'error: --set ema_momentum=1.01: must be below 1\n'),
+    ('whitening_eps=0', 1, 'error: --set whitening_eps=0.0: must be a finite number above 0\n'),
+    ('train_images=0', 1, 'error: --set train_images=0: must be a finite number of at least 1\n'),
 ])
 def test_a_set_that_names_nothing_does_not_parse_or_cannot_make_the_run_is_refused_in_one_line(
         dataset, monkeypatch, capsys, setting, status, message):
@@ -2129,17 +2056,17 @@ def test_set_reads_a_value_as_its_hyperparameters_type():
         T.hyp_setting('LR_PEAK=2')
 
 
-def test_every_hyperparameter_has_a_range_and_its_defaults_lie_in_it():
-    """A key added to HYP without a range would go unchecked; HYP's and --tiny's values are in theirs.
-    Interval notation: a bracket holds its end, a parenthesis not; a tuple's every value."""
-    assert list(T.HYP_RANGES) == list(T.HYP)
+def test_the_defaults_lie_in_range_and_the_edges_of_each_range_are_refused():
+    """HYP's and --tiny's values make a run; a range's edge outside it, NaN and infinity do not,
+    in each of a tuple's values too."""
     for hyp in (T.HYP, {**T.HYP, **T.TINY}):
-        assert [name for name, interval in T.HYP_RANGES.items() if not T.within(hyp[name], interval)] == []
-    for value, interval, inside in [(0, '[0, 1)', True), (1, '[0, 1)', False), (1, '[0, 1]', True),
-                                    (0.0, '(0, inf)', False), (1e300, '(0, inf)', True), (math.inf, '(0, inf)', False),
-                                    (math.nan, '[0, inf)', False), ((8, 16), '[1, inf)', True),
-                                    ((8, 0, 16), '[1, inf)', False), (31, '[0, 31]', True), (32, '[0, 31]', False)]:
-        assert T.within(value, interval) == inside, (value, interval)
+        assert {name: T.out_of_range(name, value) for name, value in hyp.items()} == dict.fromkeys(hyp)
+    for name, value, refused in [('momentum', 0.0, False), ('momentum', 1.0, True), ('pad', 31, False),
+                                 ('pad', 32, True), ('lr_peak', 1e300, False), ('lr_peak', 0.0, True),
+                                 ('lr_peak', math.inf, True), ('lr_floor', 0.0, False), ('lr_floor', math.nan, True),
+                                 ('channels', (8, 16, 32, 64), False), ('channels', (8, 0, 32, 64), True),
+                                 ('epochs', 1, False), ('epochs', 0, True), ('whitening', 'none', False)]:
+        assert (T.out_of_range(name, value) is not None) == refused, (name, value)
 
 
 @pytest.mark.parametrize('argv, status, message', [
@@ -2159,14 +2086,56 @@ def test_a_setting_given_twice_or_without_its_equals_sign_is_refused_in_one_line
 
 
 def test_train_and_test_images_set_a_size_between_tiny_and_the_whole_job(dataset, monkeypatch, capsys):
-    """The first N images of each set, a full-width network; more than the folder holds (its 1,000 training
-    images) takes them all."""
+    """The first N images of each set, a full-width network; without them set, all the folder holds (its
+    1,000 training images, fewer than HYP's 50,000)."""
     monkeypatch.setattr(T, 'compiled_warm_up', lambda *args: (_ for _ in ()).throw(KeyboardInterrupt))
     for setting, images in [('train_images=640 --set test_images=50', '640 train / 50 test images'),
-                            ('train_images=5000', '1000 train / 200 test images')]:
+                            ('cutout=0', '1000 train / 200 test images')]:
         assert T.main(['--data-dir', str(dataset), '--no-compile', '--set', *setting.split()]) == 130
         out = capsys.readouterr().out
         assert images in out and 'channels=(64, 128, 256, 512)' in out
+
+
+@pytest.mark.parametrize('setting, message', [
+    ('test_images=300', '--set test_images=300: more than the 200 test images of the data'),
+    ('train_images=2000', '--set train_images=2000: more than the 1000 train images of the data')])
+def test_more_images_than_the_data_holds_are_refused_in_one_line(dataset, monkeypatch, capsys, setting, message):
+    """A count set by hand is what the user asked for: more than the data holds is refused, not cut
+    to the data without a word (--tiny's own counts are at most: a small copy has fewer)."""
+    no_training(monkeypatch)
+    assert T.main(['--tiny', '--data-dir', str(dataset), '--set', setting]) == 1
+    assert capsys.readouterr().err == f'error: {message}\n'
+
+
+def test_plot_on_a_full_disk_says_so_in_one_line_and_leaves_an_old_picture_whole(dataset, tmp_path, monkeypatch,
+                                                                                capsys):
+    """--plot writes through a temporary file, as --json does: a full disk at the end of a job is one
+    line and status 1, the runs in their file, and the picture there before is left as it was."""
+    pytest.importorskip('matplotlib')                            # --plot's; CI installs it
+    picture, job = tmp_path / 'r.png', tmp_path / 'r.json'
+    picture.write_bytes(b'an old picture')
+    write_bytes = Path.write_bytes
+
+    def full_disk(self, data):
+        if self.name.startswith('.r.png.'):
+            write_bytes(self, data[:len(data) // 2])
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return write_bytes(self, data)
+    monkeypatch.setattr(Path, 'write_bytes', full_disk)
+    assert T.main([*SMALL_RUN, '--data-dir', str(dataset), '--json', str(job), '--plot', str(picture)]) == 1
+    out, err = capsys.readouterr()
+    assert err == f'error: cannot write --plot {picture} (No space left on device)\n' and 'runs: 1 finished' in out
+    assert picture.read_bytes() == b'an old picture' and T.read_job(job, '--json')['runs_finished'] == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['r.json', 'r.png']     # no part file
+
+
+def test_the_pictures_epoch_axis_shows_whole_epochs(tmp_path):
+    pytest.importorskip('matplotlib')                            # --plot's; CI installs it
+    for epochs in (1, 2, 3, 10):
+        curves = T.plot_jobs(tmp_path / f'{epochs}.png', [drawn_job([0.9, 0.92], epochs=epochs)]).axes[0]
+        low, high = curves.get_xlim()
+        ticks = [tick for tick in curves.get_xticks() if low <= tick <= high]
+        assert ticks and all(float(tick).is_integer() for tick in ticks), (epochs, ticks)
 
 
 def job_with(path, accuracies, **changes):
@@ -2213,6 +2182,7 @@ def test_a_jobs_picture_holds_its_values(tmp_path):
     """Read from the figure's artists: each epoch's mean and extremes of valid accuracy over the finished
     runs, train accuracy's mean (dashed), the rate from 0; each run's final accuracy, the mean and its 95 %
     interval (t = 4.3027 at 2 degrees of freedom); the file a PNG of 12 x 4.4 inches at 150 dpi."""
+    pytest.importorskip('matplotlib')                            # --plot's; CI installs it
     figure = T.plot_jobs(tmp_path / 'a.png', [drawn_job([0.90, 0.92, None, 0.95], set=['label_smoothing=0'])])
     assert png_size(tmp_path / 'a.png') == ONE_JOB_PNG
     curves, finals_axis, rate = figure.axes
@@ -2237,14 +2207,11 @@ def test_a_jobs_picture_holds_its_values(tmp_path):
 
 def test_a_comparisons_picture_gives_each_job_a_colour_and_its_difference_from_the_first(tmp_path, monkeypatch):
     """B's runs 1 point above A's, of equal spread: B - A is +1.00 points, within +-2.7764 (Welch: 4
-    degrees of freedom) x 1 point x sqrt(2/3), in its legend; in a notebook it shows as a PNG too."""
-    shown = []
-    monkeypatch.setattr(T, 'in_notebook_cell', lambda: True)
-    monkeypatch.setitem(sys.modules, 'IPython.display', types.SimpleNamespace(display=shown.append, Image=bytes))
+    degrees of freedom) x 1 point x sqrt(2/3), in its legend."""
+    pytest.importorskip('matplotlib')                            # --plot's; CI installs it
     jobs = [drawn_job([0.90, 0.91, 0.92]), drawn_job([0.91, 0.92, 0.93], epochs=2)]
     figure = T.plot_jobs(tmp_path / 'ab.svg', jobs, ['A a.json, ', 'B b.json, '])
-    assert (tmp_path / 'ab.svg').read_text().lstrip().startswith('<?xml') and len(shown) == 1
-    assert png_size_of(shown[0]) == (1200, 480)                  # at the figure's 100 dpi
+    assert (tmp_path / 'ab.svg').read_text().lstrip().startswith('<?xml')
     curves, finals_axis, _ = figure.axes
     a, b = [line for line in curves.get_lines() if line.get_linestyle() == '-']
     assert a.get_color() != b.get_color() and len(b.get_xdata()) == 2
@@ -2257,6 +2224,7 @@ def test_a_comparisons_picture_gives_each_job_a_colour_and_its_difference_from_t
 def test_plot_through_main_for_a_comparison_and_for_a_job_without_a_finished_run(finished_job, tmp_path,
                                                                                 dataset, monkeypatch, capsys):
     """--compare A B --plot draws; Ctrl-C in run 2 draws run 1; in run 1, nothing is drawn, and said."""
+    pytest.importorskip('matplotlib')                            # --plot's; CI installs it
     other = tmp_path / 'b.json'
     write_job(other, job_with(finished_job[0], [0.3, 0.4], seed=5))
     assert T.main(['--compare', str(finished_job[0]), str(other), '--plot', str(tmp_path / 'ab.png')]) == 0
@@ -2278,6 +2246,7 @@ def test_plot_through_main_for_a_comparison_and_for_a_job_without_a_finished_run
 
 def test_plot_over_a_compared_job_file_is_refused(finished_job, tmp_path, capsys):
     """A job file with a picture's extension, compared and drawn over: refused, the file as it was."""
+    pytest.importorskip('matplotlib')                            # --plot's; CI installs it
     a, b = tmp_path / 'a.svg', tmp_path / 'b.json'
     write_job(b, job_with(finished_job[0], [0.3, 0.4], seed=5))
     a.write_bytes(finished_job[0].read_bytes())
@@ -2288,6 +2257,7 @@ def test_plot_over_a_compared_job_file_is_refused(finished_job, tmp_path, capsys
 
 def test_plot_refused_by_a_failing_tex_says_so_in_one_line(dataset, tmp_path, monkeypatch, capsys):
     """.pgf through a TeX that fails (a package missing, say): matplotlib's error holds pages of TeX."""
+    pytest.importorskip('matplotlib')                            # --plot's; CI installs it
     import matplotlib
     monkeypatch.setitem(matplotlib.rcParams, 'pgf.texsystem', 'xelatex')
     (tmp_path / 'xelatex').write_text('#!/bin/sh\necho "! LaTeX Error: File underscore.sty not found."\nexit 1\n')
@@ -2445,49 +2415,24 @@ def test_compare_refuses_a_job_compared_with_itself(finished_job, tmp_path, caps
 
 
 
-def test_a_run_estimate_is_the_warm_up_steps_and_batches_scaled_to_a_run():
-    """2 warm-up steps took 10 s and 2 evaluation batches 4 s: 10 epochs of 97 steps of 5 s and 10
-    test batches of 2 s take 10 x (485 + 20) = 5050 s; a last, short test batch counts whole."""
-    warm_up = dict(train_time=10.0, valid_time=4.0)
-    assert T.run_estimate(warm_up, T.HYP, dict(train_images=range(50000), test_images=range(10000))) == 5050
-    tiny = dict(train_images=range(3000), test_images=range(501))       # 46 steps of 64, 3 test batches of 250
-    assert T.run_estimate(warm_up, {**T.HYP, **T.TINY}, tiny) == 4 * (46 * 5 + 3 * 2)
-
-
-def test_only_a_cpus_warm_up_foretells_a_run(monkeypatch):
-    """A GPU's warm-up can mislead (an H100's, after a cached compile, foretold 4 min for a 5 s run):
-    there the estimate waits for a run. The same slow warm-up, on a CPU once and elsewhere twice."""
-    calls = []
-    def warm_up(data, networks, hyp, seed, on_epoch, steps_per_epoch, test_batches):
-        calls.append((hyp['epochs'], steps_per_epoch, test_batches))
-        return [dict(train_time=10.0, valid_time=4.0)]
-    monkeypatch.setattr(T, 'train_run', warm_up)
-    data = dict(train_images=range(50000), test_images=range(10000))
-    for device, estimate, runs in (('cpu', 5050, 1), ('meta', 0, 2)):  # meta: a device that is no CPU
-        calls.clear()
-        assert T.compiled_warm_up(data, T.HYP, torch.device(device), torch.float32, False, print)[1:] == (False, estimate)
-        assert calls == [(1, 2, 2)] * runs
-
-
-def test_a_slow_job_says_when_it_should_end_before_each_run_and_a_fast_one_says_nothing(dataset, monkeypatch, capsys):
-    """Where a run takes over a minute: before the first run, the warm-up's estimate; before each
-    next one, the pace of the runs so far. On a fast device (--tiny here) nothing is added."""
+def test_a_slow_job_says_when_it_should_end_after_each_run_and_a_fast_one_says_nothing(dataset, monkeypatch, capsys):
+    """Where a run takes over a minute, after each run but the last: the pace of the runs so far, and
+    when the rest should end. On a fast device (--tiny here) nothing is added."""
     options = ['--tiny', '--epochs', '1', '--runs', '3', '--data-dir', str(dataset)]
     assert T.main(options) == 0
     assert 'should end' not in capsys.readouterr().out
     clock = iter(range(0, 10 ** 9, 100))                          # each reading 100 s after the last
     monkeypatch.setattr(T.time, 'perf_counter', lambda: float(next(clock)))
-    start = time.time()
     assert T.main(options) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if 'should end' in line or line.startswith('run ')]
-    # the warm-up's 2 steps took 100 s, its 2 test batches 100 s; a run: 1000 // 64 = 15 steps and 1
-    # test batch of 200, (15 x 100 + 1 x 100) / 2 = 800 s; 3 runs from the minute it printed: 2400 s
-    ends = {time.ctime(t)[:16] for t in range(int(start) + 2400, int(time.time()) + 2461, 60)}
-    assert lines[0] in {f'estimate from the warm-up: a run takes about 13.3 min here: the job should end about {end}'
-                        for end in ends}
-    assert [line.split(' (')[0] for line in lines[1::2]] == ['run 1/3', 'run 2/3', 'run 3/3']
-    assert all(line.startswith('a run takes about ') and 'should end about ' in line for line in lines[2::2])
-    assert len(lines) == 6
+    assert [line.split(' (')[0] for line in lines[0::2]] == ['run 1/3', 'run 2/3', 'run 3/3']
+    for line, runs_left in zip(lines[1::2], (2, 1)):
+        minutes = float(re.match(r'a run takes about (\d+\.\d) min: the job should end about ', line)[1])
+        assert minutes > 1
+        end = line.split('should end about ')[1]
+        soonest, latest = time.time() + 60 * (runs_left * minutes - 1), time.time() + 60 * runs_left * (minutes + 1)
+        assert end in {time.ctime(t)[:16] for t in range(int(soonest) - 600, int(latest) + 60, 30)}
+    assert len(lines) == 5
 
 
 # ---------------------------------------------------------------------------------------------
@@ -2582,50 +2527,6 @@ def test_compare_says_what_a_side_lacks_and_trains_nothing(finished_job, tmp_pat
     out = capsys.readouterr().out
     assert f'B  {b}: 2 runs (unfinished: 2 of 4 runs), final accuracy' in out
     assert 'B differs from A in: compile (False -> True)' in out
-    assert T.main(['--compare', str(a), str(b), '--epochs', '5', '--tiny']) == 1
-    assert capsys.readouterr().err.strip() == 'error: --compare trains nothing: --epochs, --tiny would not be used'
-
-
-def test_a_second_job_on_the_same_file_is_refused_while_the_first_runs(finished_job, tmp_path, monkeypatch,
-                                                                      capsys):
-    """One job file, one writer: a second --resume of it would train the same runs, and the last
-    writer would win. The lock is the system's: a killed holder's is released, its file stays."""
-    source, options = finished_job
-    path, text = copy_of(source, tmp_path)
-    holder = subprocess.Popen([sys.executable, '-c', f'import sys; sys.path.insert(0, {str(SCRIPT.parent)!r}); '
-                               f'import train_cifar10 as T; lock = T.hold_job_file({str(path)!r}); '
-                               'print("held", flush=True); import time; time.sleep(120)'],
-                              stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout.readline().strip() == 'held'
-        no_training(monkeypatch)
-        assert T.main([*options, '--runs', '3', '--resume', str(path)]) == 1
-        err = capsys.readouterr().err.strip()
-        assert err == (f'error: {path} is the file of a job that another process is running: wait for it '
-                       'to end, or give another path')
-        assert path.read_bytes() == text
-    finally:
-        holder.kill()
-        holder.wait(timeout=60)
-        holder.stdout.close()
-    lock = T.hold_job_file(path)                                  # SIGKILL released the lock
-    assert lock is not None and (tmp_path / '.job.json.lock').stat().st_mode & 0o111 == 0   # not executable
-    os.chmod(tmp_path / '.job.json.lock', 0o444)                  # another user's lock file: read-only
-    with pytest.raises(T.UserError, match='another process is running'):
-        T.hold_job_file(path)
-    os.close(lock)
-    lock = T.hold_job_file(path)                                  # a free read-only lock file is taken
-    assert lock is not None
-    os.close(lock)
-    opened = []                                                   # one its owner alone may open
-    def refused(*args):                                           # (root opens any: refused by hand)
-        opened.append(args[1])
-        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
-    monkeypatch.setattr(os, 'open', refused)
-    capsys.readouterr()
-    assert T.hold_job_file(path) is None and opened == [os.O_RDWR | os.O_CREAT, os.O_RDONLY]
-    assert capsys.readouterr().err == (f'note: {path} cannot be locked here (Permission denied): nothing stops '
-                                       'a second job from writing it too\n')
 
 
 @pytest.mark.parametrize('argv, message', [
@@ -2656,7 +2557,7 @@ def test_output_paths_are_refused_before_any_work(dataset, tmp_path, monkeypatch
     (tmp_path / 'a_file').write_text('')
     monkeypatch.setattr(T, 'pick_dtype', lambda *args: pytest.fail('work started'))
     monkeypatch.setenv('PATH', str(tmp_path))                     # no TeX, which .pgf needs
-    import matplotlib
+    matplotlib = pytest.importorskip('matplotlib')
     monkeypatch.setitem(matplotlib.rcParams, 'pgf.texsystem', 'xelatex')
     assert T.main(['--tiny', '--data-dir', str(dataset), option, str(tmp_path / path)]) == 1
     err = capsys.readouterr().err.strip()
@@ -2710,7 +2611,7 @@ data = {{k: v[:64] if k.startswith('train') else v for k, v in data.items()}}   
 hyp = {{**T.HYP, **T.TINY, 'epochs': 1}}
 cpu = torch.device('cpu')
 for name, compile in [('eager_nchw', False), ('compiled', 'default')]:
-    networks, compiled, _ = T.compiled_warm_up(data, hyp, cpu, torch.float32, compile, print)
+    networks, compiled = T.compiled_warm_up(data, hyp, cpu, torch.float32, compile, print)
     assert compiled == compile
     rows = T.train_run(data, networks, hyp, 0, lambda row: None)
     torch.save(dict(rows=rows, net=networks.network.state_dict(), ema=networks.ema.state_dict()),
@@ -2932,15 +2833,16 @@ def compiler_failure(inner):
 
 def test_a_damaged_compile_cache_is_named_in_the_fallback_line(dataset, monkeypatch, capsys):
     """Ctrl-C during a compilation can leave a truncated library in torch's cache, which the next
-    compilation fails to load: the one line names the folder to delete."""
+    compilation fails to load: the one line gives the root cause, which names the file."""
     from torch._inductor.runtime.cache_dir_utils import cache_dir
-    cache = cache_dir()
+    damaged = f'{cache_dir()}/uf/cufdeo2.main.so'
 
     def compiled_step_disagreement(*args):
-        raise compiler_failure(ImportError(f'{cache}/uf/cufdeo2.main.so: file too short'))
+        raise compiler_failure(ImportError(f'{damaged}: file too short'))
     monkeypatch.setattr(T, 'compiled_step_disagreement', compiled_step_disagreement)
     assert T.main(['--tiny', '--compile', '--epochs', '1', '--data-dir', str(dataset)]) == 0
-    assert f'training eager instead; {cache} may hold a file of an interrupted compilation' in capsys.readouterr().out
+    assert (f'torch.compile failed (ImportError: {damaged}: file too short): training eager instead'
+            in capsys.readouterr().out)
 
 
 @pytest.mark.parametrize('wrapped', [False, True])
@@ -3020,6 +2922,7 @@ def assert_gloo_threads_joined(counts_file):
 
 def test_two_ranks_print_one_table_and_rank_0_writes_the_files(dataset, tmp_path):
     """Also: main leaves no gloo thread running for Python's shutdown (leave_process_group)."""
+    pytest.importorskip('matplotlib')                            # --plot's; CI installs it
     script = tmp_path / 'counts_threads.py'
     script.write_text(COUNTS_THREADS.format(repo=str(SCRIPT.parent), out=str(tmp_path)) + 'sys.exit(T.main())\n')
     result = torchrun(script, '--tiny', '--data-dir', dataset, '--json', tmp_path / 'r.json',
@@ -3083,7 +2986,7 @@ for fault in ('raises', 'nan'):                   # rank 0 "compiles" at once; r
         return failing
     torch.compile = compile
     hyp = {{**T.HYP, **T.TINY, 'epochs': 1}}
-    networks, compiled, _ = T.compiled_warm_up(data, hyp, cpu, torch.float32, 'default', print, rank, world)
+    networks, compiled = T.compiled_warm_up(data, hyp, cpu, torch.float32, "default", print, rank, world)
     T.train_run(data, networks, hyp, 0, lambda row: None)
     print(f'{{fault}}: rank {{rank}} compiled={{compiled}}', flush=True)
     torch.save(networks.ema.state_dict(), f'{{out}}/{{fault}}_{{rank}}.pt')
@@ -3301,6 +3204,7 @@ def test_spread_runs_train_the_runs_of_one_process_and_a_rank_that_fails_costs_o
     rank 0's gather fails and it stops as at Ctrl-C, runs 1-3 kept. Resumed on 2 ranks with a run
     more, run 4 is rank 0's and run 5 rank 1's, which starts once run 4 is kept. Every run's record
     is the one-process job's but for the clocks; the files are whole, the runs in run order."""
+    pytest.importorskip('matplotlib')                            # --plot's; CI installs it
     path, worker = tmp_path / 'r.json', tmp_path / 'worker.py'
     worker.write_text(RANK_1_FAILS_IN_RUN_4.format(repo=str(SCRIPT.parent), path=str(path)))
     result = torchrun(worker, *SPREAD, '--spread', 'runs', '--data-dir', dataset, '--json', path,
@@ -3329,38 +3233,7 @@ def test_spread_runs_train_the_runs_of_one_process_and_a_rank_that_fails_costs_o
     assert (job['options']['spread'], one['options']['spread']) == ('runs', 'batches')
     assert png_size(tmp_path / 'r.png') == ONE_JOB_PNG
     assert torch.load(tmp_path / 'ema.pt')['run'] == 4                       # rank 0's: run 5 is rank 1's
-    assert [p.name for p in tmp_path.glob('.*')] == ['.r.json.lock']         # no rank file, no part left
-
-
-@pytest.mark.parametrize('discard', [False, True])
-def test_signals_held_defers_ctrl_c_even_when_another_thread_receives_it(discard):
-    """The OS may hand a process's SIGINT to any thread that does not block it (gloo starts
-    several): a signal mask on the main thread alone would let Ctrl-C through mid-block. Here each
-    goes to the other thread; the byte its C handler writes to the wakeup fd says it has run, and
-    pthread_kill's signal 0 (none) to the main thread then runs the Python handler there, as it
-    returns (PyErr_CheckSignals): events, no sleep."""
-    stop = threading.Event()
-    other = threading.Thread(target=stop.wait)
-    other.start()
-    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # ignored in a shell's `&` job
-    wakeup, woken = os.pipe()
-    os.set_blocking(woken, False)
-    wakeup_before = signal.set_wakeup_fd(woken)
-    try:
-        with pytest.raises(KeyboardInterrupt) if not discard else contextlib.nullcontext():
-            with T.signals_held(discard=discard):
-                for _ in range(3):
-                    signal.pthread_kill(other.ident, signal.SIGINT)
-                    assert os.read(wakeup, 1) == bytes([signal.SIGINT])   # delivered
-                    signal.pthread_kill(threading.get_ident(), 0)           # handled
-                reached = True                                      # the block ran to its end
-        assert reached and signal.getsignal(signal.SIGINT) is signal.default_int_handler
-    finally:
-        signal.set_wakeup_fd(wakeup_before)
-        os.close(wakeup), os.close(woken)
-        signal.signal(signal.SIGINT, before)
-        stop.set()
-        other.join()
+    assert [p.name for p in tmp_path.glob('.*')] == []                       # no rank file, no part left
 
 
 def test_ctrl_c_stops_every_rank_of_a_spread_job_with_its_runs_on_disk(dataset, tmp_path):

@@ -548,14 +548,18 @@ def train_run(data, networks, hyp, seed, on_epoch, steps_per_epoch=None, test_ba
 # #############################################################################################
 
 import argparse, codecs, contextlib, datetime, difflib, hashlib, http.client, inspect, io, json
-import os, pickle, platform, shutil, signal, sys, tarfile, tempfile, textwrap, threading
+import os, pickle, platform, shutil, signal, sys, tarfile, tempfile, textwrap
 import urllib.request, warnings
 from pathlib import Path
 
-TRICKS_OFF = {  # each of Page's tricks, and the setting that turns it off (the rest as it is)
-    'label smoothing': ('label_smoothing', 0), 'CELU': ('celu_alpha', 0),
-    'ghost batch norm': ('bn_split_size', 0), 'frozen scales': ('bn_scale_frozen', False),
-    'whitening': ('whitening', 'none'), 'EMA': ('ema_momentum', 0), 'flip-TTA': ('flip_tta', False)}
+TRICKS_OFF = {  # each of Page's tricks: what runs instead when it is off, the setting that does it
+    'label smoothing': ('one-hot targets', 'label_smoothing', 0),
+    'CELU': ('ReLU', 'celu_alpha', 0),
+    'ghost batch norm': ('batch norm over the whole batch', 'bn_split_size', 0),
+    'frozen scales': ('learned batch-norm scales', 'bn_scale_frozen', False),
+    'whitening': ('a learned 3x3 conv', 'whitening', 'none'),
+    'EMA': ('the last weights', 'ema_momentum', 0),
+    'flip-TTA': ('each test image alone', 'flip_tta', False)}
 
 # ==== Download and safe loading of CIFAR-10's files ============================================
 CLASSES = ('airplane', 'automobile', 'bird', 'cat', 'deer', 'dog', 'frog', 'horse', 'ship', 'truck')
@@ -594,14 +598,11 @@ def ensure_cifar10(data_dir, url=CIFAR10_URL, md5=CIFAR10_MD5):
                 print(f'downloading {url}', file=sys.stderr)
                 with urllib.request.urlopen(url, timeout=60) as response, open(partial, 'wb') as f:
                     shutil.copyfileobj(response, f, 1 << 20)
-                if (got := hashlib.md5(partial.read_bytes()).hexdigest()) != md5:
+                got = hashlib.md5(partial.read_bytes()).hexdigest()
+                if got != md5:
                     raise ValueError(f'its md5 is {got}, not {md5}: it is cut short or not the '
                                      'CIFAR-10 archive')
                 os.replace(partial, archive)
-            if not hasattr(tarfile, 'data_filter'):
-                raise UserError(f'this Python {platform.python_version()} cannot extract archives '
-                                'safely (tarfile has no data filter): use Python 3.10.12, 3.11.4, '
-                                '3.12 or later')
             failed = f'cannot extract {archive}'
             advice = ': if it is cut short or not the CIFAR-10 python archive, delete it'
             with tempfile.TemporaryDirectory(dir=data_dir, prefix='.extract-',
@@ -611,16 +612,13 @@ def ensure_cifar10(data_dir, url=CIFAR10_URL, md5=CIFAR10_MD5):
                 os.replace(os.path.join(staging, BATCHES_DIR), data_dir / BATCHES_DIR)
     except (OSError, ValueError, EOFError, tarfile.TarError, http.client.HTTPException) as e:
         if not (data_dir / BATCHES_DIR).is_dir():  # else another job put it there first, whole
-            why = e if isinstance(e, urllib.error.HTTPError) else getattr(e, 'reason', e)
+            why = getattr(e, 'reason', e)  # a URLError's or HTTPError's reason
             hint = ' (is that path right?)' if made else ''  # likelier than a network fault
             raise UserError(f'no CIFAR-10 in --data-dir {data_dir}{hint}; {failed} ({why}){advice}'
                             ) from None
     finally:
         with contextlib.suppress(OSError):  # NotADirectoryError where a file is in the path
             partial.unlink(missing_ok=True)
-        for folder in made:  # deepest first; one that holds anything stays
-            with contextlib.suppress(OSError):
-                folder.rmdir()
     return data_dir / BATCHES_DIR
 
 
@@ -663,9 +661,10 @@ def load_cifar10(folder):
         labels.append(classes.astype(np.int64))
         md5s.append(hashlib.md5(raw).hexdigest())
     differing = [name for name, md5 in zip(OFFICIAL_MD5, md5s) if md5 != OFFICIAL_MD5[name]]
-    provenance = (f'NOT the official CIFAR-10: {", ".join(differing)} differ from the official '
-                  'md5s, so accuracies below are not CIFAR-10 results' if differing else
-                  'official CIFAR-10 (all six batch files match their published md5s)')
+    provenance = 'official CIFAR-10 (all six batch files match their published md5s)'
+    if differing:
+        provenance = (f'NOT the official CIFAR-10: {", ".join(differing)} differ from the official '
+                      'md5s, so accuracies below are not CIFAR-10 results')
     return dict(train_images=np.concatenate(images[:5]), train_labels=np.concatenate(labels[:5]),
                 test_images=images[5], test_labels=labels[5], provenance=provenance,
                 digest=hashlib.sha256(' '.join(md5s).encode()).hexdigest()[:16])
@@ -674,9 +673,15 @@ def load_cifar10(folder):
 # ==== Devices and precision ====================================================================
 def pick_device(name, local_rank=None, share=False):
     """The training device; under torchrun, its local rank's GPU (modulo the count if shared)."""
-    gpus, mps, given = torch.cuda.device_count(), torch.backends.mps.is_available(), name
+    gpus = torch.cuda.device_count()
+    mps = torch.backends.mps.is_available()
+    given = name
     if name == 'auto':
-        name = 'cuda' if torch.cuda.is_available() else 'mps' if mps else 'cpu'
+        name = 'cpu'
+        if torch.cuda.is_available():
+            name = 'cuda'
+        elif mps:
+            name = 'mps'
     with contextlib.suppress(RuntimeError):  # torch.device('cuda:x') raises
         device = torch.device(name)  # str(): cuda:128 is cuda:-128 to it, cuda:255 cuda
         index = device.index
@@ -695,49 +700,36 @@ def pick_device(name, local_rank=None, share=False):
                     'cpu): choose auto, cuda, cuda:N, mps or cpu')
 
 
-def pick_dtype(name, device, hyp=HYP):
-    """The training dtype, once 2 narrow steps of the recipe ran in it: a failure is the device's
-    (no bf16) if a bare convolution fails too, else the code's; emulated bf16 is slow but right."""
-    name = ('fp16' if device.type == 'cuda' else 'fp32') if name == 'auto' else name
-    dtype = dict(fp16=torch.float16, bf16=torch.bfloat16, fp32=torch.float32)[name]
-    images = np.random.default_rng(0).integers(0, 256, (128, 3, 32, 32), dtype=np.uint8)
-    data = dict(train_images=images, train_labels=np.arange(128) % NUM_CLASSES)
-    hyp = {**hyp, 'channels': (8, 16, 24, 32), 'epochs': 1, 'batch_size': 64, 'cutout': 8,
-           'whitening_images': 128, 'bn_split_size': math.gcd(hyp['bn_split_size'], 64)}
-    try:
-        train_run({**data, 'test_images': images, 'test_labels': data['train_labels']},
-                  Networks(hyp, device, dtype, False), hyp, 0, lambda row: None)
-    except (RuntimeError, TypeError, NotImplementedError) as e:
-        why = f'{type(e).__name__}: {str(e).splitlines()[0]}'
-        try:  # a convolution and its gradient, none of the recipe's code: what the device must do
-            x = torch.ones(2, 3, 8, 8, device=device, dtype=dtype, requires_grad=True)
-            F.conv2d(x, x[:1]).sum().backward()
-        except (RuntimeError, TypeError, NotImplementedError):
-            raise UserError(f'--dtype {name} does not run on {device.type} ({why}); choose another '
-                            '--dtype or --device') from None
-        print(f"the dtype probe, 2 steps of the recipe in {name} on {device.type} (channels "
-              f"{hyp['channels']}), failed where a bare convolution runs: likely an error of the "
-              'code, not of the device; its traceback:', file=sys.stderr)
-        raise
-    return dtype
+def pick_dtype(name, device):
+    """The training dtype: fp16 on CUDA, else fp32, unless named (bf16 where a GPU lacks it, as on a
+    T4 or V100, is emulated: slow but right)."""
+    if name == 'auto':
+        name = 'fp16' if device.type == 'cuda' else 'fp32'
+    return dict(fp16=torch.float16, bf16=torch.bfloat16, fp32=torch.float32)[name]
 
 
 def compiles(args, device, batch_ranks=1):
     """torch.compile's mode (False: eager): CUDA graphs on CUDA, not under DDP's batch split
     (pytorch#139207); eager on MPS (experimental), --tiny (compiling outlasts it); --compile wins"""
-    on = args.compile if args.compile is not None else device.type != 'mps' and not args.tiny
-    return on and ('reduce-overhead' if device.type == 'cuda' and batch_ranks == 1 else 'default')
+    on = args.compile
+    if on is None:
+        on = device.type != 'mps' and not args.tiny
+    if not on:
+        return False
+    if device.type == 'cuda' and batch_ranks == 1:
+        return 'reduce-overhead'
+    return 'default'
 
 
 # ==== Compilation: compiled before the warm-up, checked against eager, eager if it fails =======
 def compiled_warm_up(data, hyp, device, dtype, compiled, log, rank=0, world=1):
     """Build the networks (rank, world: as Networks takes them), compile them if asked, warm them
-    up. Returns them, whether they are compiled, and a run's seconds as a CPU's warm-up foretells
-    them (0 on a GPU, whose warm-up holds one-off costs). If compilation fails on one of the
-    processes that split each batch, they all train eager (else their collectives would hang)."""
+    up; returns them and whether they are compiled. If compilation fails on one of the processes
+    that split each batch, they all train eager (else their collectives would hang)."""
     networks = data_parallel(Networks(hyp, device, dtype, compiled, rank, world))
     if compiled:  # the training step at a run's shapes and first weights, then the flip-TTA pass
-        start, failure, batch = time.perf_counter(), None, hyp['batch_size'] // world
+        start = time.perf_counter()
+        batch = hyp['batch_size'] // world
         images = normalise(data['train_images'][:hyp['whitening_images']], device, torch.float32)
         x = normalise(data['train_images'][:batch], device, dtype)
         y = torch.from_numpy(data['train_labels'][:batch]).to(device)
@@ -766,10 +758,9 @@ def compiled_warm_up(data, hyp, device, dtype, compiled, log, rank=0, world=1):
             log(f'torch.compile ({compiled}): {time.perf_counter() - start:.1f} s, its step '
                 "checked against eager, before the warm-up, outside every run's time")
     for _ in range(1 + (device.type != 'cpu')):  # a GPU's first: cuDNN's search, graphs' capture
-        row, = train_run(data, networks, {**hyp, 'epochs': 1}, 0, lambda row: None,
-                         steps_per_epoch=2, test_batches=2)
-    estimate = run_estimate(row, hyp, data, world) if device.type == 'cpu' else 0
-    return networks, compiled, estimate
+        train_run(data, networks, {**hyp, 'epochs': 1}, 0, lambda row: None, steps_per_epoch=2,
+                  test_batches=2)
+    return networks, compiled
 
 
 def compiled_step_disagreement(networks, x, y, hyp):
@@ -795,17 +786,20 @@ def compiled_step_disagreement(networks, x, y, hyp):
     names = ['the loss'] + [f"{name}'s gradient" for name, p in networks.network.named_parameters()
                             if p.requires_grad]
     for name, got, expected, size, error in zip(names, compiled, eager, sizes, rounding):
-        gap, bound = float((got - expected).norm()) / size, 4 * max(error, floor)
+        gap = float((got - expected).norm()) / size
+        bound = 4 * max(error, floor)
         if not gap <= bound:  # NaN too
-            why = (f'differs from eager by {gap:.2g} of its size, beyond the {bound:.2g} its '
-                   'rounding allows' if math.isfinite(gap) else 'is not finite')
+            why = 'is not finite'
+            if math.isfinite(gap):
+                why = (f'differs from eager by {gap:.2g} of its size, beyond the {bound:.2g} its '
+                       'rounding allows')
             return (f"torch.compile's training step disagrees with eager ({name} {why}): "
                     'training eager instead')
     return None
 
 
 def compile_failure_line(error):
-    """Why a compilation failed, in one line, naming a damaged cache; eager's own errors raise."""
+    """Why a compilation failed, in one line; errors that eager would meet too raise."""
     chain, inner = [], error  # error, then what it wraps: inductor's inner_exception, or a cause
     while inner is not None:
         chain.append(inner)
@@ -814,10 +808,7 @@ def compile_failure_line(error):
         raise error
     root = next((link for link in reversed(chain) if str(link).strip()), chain[-1])
     reason = f'{type(root).__name__}: {str(root).strip()}'.splitlines()[0][:200]
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
-    hint = (f'; {cache_dir()} may hold a file of an interrupted compilation: delete it to compile '
-            'again' if any(cache_dir() in str(link) for link in chain) else '')
-    return f'torch.compile failed ({reason}): training eager instead{hint}'
+    return f'torch.compile failed ({reason}): training eager instead'
 
 
 # ==== torchrun: the ranks split each batch (the default) or train whole runs (--spread runs) ====
@@ -829,8 +820,7 @@ def torchrun_ranks():
 
 def join_process_group(device, split_batches=True):
     """Join the ranks torchrun started: NCCL between GPUs that split batches, else gloo (CPUs, and
-    ranks of whole runs, which only gather them: an idle NCCL group would hang at the end; a rank
-    waits there for a round's slowest run, on a CPU hours beyond gloo's 30-minute timeout)."""
+    ranks of whole runs, which gather them, waiting for a round's slowest run: for up to 7 days)."""
     import torch.distributed.nn  # noqa: F401  now, not later: see leave_process_group
     nccl = device.type == 'cuda' and split_batches
     if device.type == 'cuda':
@@ -840,16 +830,14 @@ def join_process_group(device, split_batches=True):
 
 
 def leave_process_group():
-    """Destroy the group, and gloo's threads, while Python runs (a thread left to its shutdown
-    aborts it). Callers drop DDP models first; join_process_group imported torch.distributed.nn."""
+    """Destroy the group and gloo's threads while Python runs (left to its shutdown, they abort)."""
     if dist.is_initialized():
         dist.destroy_process_group()
 
 
 def data_parallel(networks):
-    """networks, whose step calls its network in DDP where world processes split each batch, with
-    forward_sync_buffers (before torch 2.13: broadcast_buffers) off: train_epoch averages the
-    batch-norm statistics instead."""
+    """networks, their step's network in DDP where processes split each batch; no buffers synced
+    (forward_sync_buffers, before torch 2.13 broadcast_buffers): train_epoch averages them."""
     if networks.world > 1:
         options = inspect.signature(nn.parallel.DistributedDataParallel).parameters
         no_sync = next(o for o in ('forward_sync_buffers', 'broadcast_buffers') if o in options)
@@ -857,23 +845,6 @@ def data_parallel(networks):
         networks.parallel = nn.parallel.DistributedDataParallel(
             networks.network, device_ids=device_ids, **{no_sync: False})
     return networks
-
-
-@contextlib.contextmanager
-def signals_held(discard=False):
-    """Defer (with discard: drop) Ctrl-C and torchrun's SIGTERM to the block's end: what it writes
-    is whole. Handlers, not a mask: the OS may signal any thread, Python handles in the main one."""
-    held = [s for s in (signal.SIGINT, signal.SIGTERM) if signal.getsignal(s) is not None
-            and threading.current_thread() is threading.main_thread()]  # only it sets handlers
-    caught = []
-    before = [signal.signal(s, lambda signum, frame: caught.append(signum)) for s in held]
-    try:
-        yield
-    finally:
-        for s, handler in zip(held, before):
-            signal.signal(s, handler)
-        if caught and not discard:
-            signal.raise_signal(caught[0])  # now, to the handler it was meant for
 
 
 # ==== Reporting: the Myrtle.ai / DAWNBench table, the header, the summary over runs ============
@@ -905,34 +876,31 @@ def evaluated(hyp):
 
 def header_lines(job, world=1, spread=False):
     """A log's lines before its first row (job: Job.context): version, device, settings, FLOPs."""
-    device, flops, peak = job['device'], job['flops'], job['peak_tflops']
-    peak, hyp = f' | peak {peak:g} TFLOP/s' if peak else '', job['hyperparameters']
-    off = [trick for trick, (name, value) in TRICKS_OFF.items() if hyp[name] == value]
-    if world > 1:
-        share = ('each training whole runs' if spread else
-                 f"{job['hyperparameters']['batch_size'] // world} images each per step")
-        device += f' | {world} ranks ({dist.get_backend()}), {share}'
-        peak += f' x {world}' if peak and not spread else ''
+    hyp, flops, device = job['hyperparameters'], job['flops'], job['device']
+    peak = f" | peak {job['peak_tflops']:g} TFLOP/s" if job['peak_tflops'] else ''
+    if world > 1 and spread:
+        device += f' | {world} ranks ({dist.get_backend()}), each training whole runs'
+    elif world > 1:
+        share = hyp['batch_size'] // world
+        device += f' | {world} ranks ({dist.get_backend()}), {share} images each per step'
+        peak += f' x {world}' if peak else ''
     tflop = {key: f'{value / 1e12:.4g} TFLOP' for key, value in flops.items()}
     dtype, evaluation = (job[key].split('.')[-1] for key in ('dtype', 'evaluation_dtype'))
-    return [f"train_cifar10.py {job['script_sha256']} | torch {job['torch']} | {device}",
-            f'dtype {dtype}, evaluation {evaluation} (batch norm and the loss fp32; no TF32) | '
-            f"seed {job['seed']} | {job['train_images']} train / {job['test_images']} test images",
-            *textwrap.wrap('hyperparameters: ' + ', '.join(f'{k}={v}' for k, v in hyp.items()), 100,
-                           subsequent_indent='    ', break_long_words=False),
-            f"data: {job['data']} (files' digest {job['data_digest']})",
-            f"model FLOPs: {tflop['step']} a training step x {flops['steps']} steps + "
-            f"{tflop['whitening']} whitening = {tflop['run']} a run{peak}",
-            f'valid = accuracy ({evaluated(hyp)}); total time = preprocessing + training '
-            '(DAWNBench rule: validation excluded, after a warm-up)',
-            *([f"Page's tricks off: {', '.join(off)}"] if off else [])]
-
-
-def run_estimate(warm_up, hyp, data, world=1):
-    """A run's seconds, as the warm-up's row (2 steps, 2 evaluation batches) foretells them."""
-    batches = math.ceil(len(data['test_images']) / world / hyp['eval_batch_size'])
-    steps = len(data['train_images']) // hyp['batch_size']
-    return hyp['epochs'] * (steps * warm_up['train_time'] + batches * warm_up['valid_time']) / 2
+    settings = ', '.join(f'{k}={v}' for k, v in hyp.items())
+    lines = [f"train_cifar10.py {job['script_sha256']} | torch {job['torch']} | {device}",
+             f'dtype {dtype}, evaluation {evaluation} (batch norm and the loss fp32; no TF32) | '
+             f"seed {job['seed']} | {job['train_images']} train / {job['test_images']} test images",
+             *textwrap.wrap(f'hyperparameters: {settings}', 100, subsequent_indent='    ',
+                            break_long_words=False),
+             f"data: {job['data']} (files' digest {job['data_digest']})",
+             f"model FLOPs: {tflop['step']} a training step x {flops['steps']} steps + "
+             f"{tflop['whitening']} whitening = {tflop['run']} a run{peak}",
+             f'valid = accuracy ({evaluated(hyp)}); total time = preprocessing + training '
+             '(DAWNBench rule: validation excluded, after a warm-up)']
+    off = [trick for trick, (_, name, value) in TRICKS_OFF.items() if hyp[name] == value]
+    if off:
+        lines.append(f"Page's tricks off: {', '.join(off)}")
+    return lines
 
 
 def summarize(runs, count_94=True, flops=None, peak=None, world=1, hyp=HYP):
@@ -972,7 +940,8 @@ def summary_lines(summary):
     """The log's last lines: the runs, their accuracy and time, the job's pace, cost and FLOPs."""
     def percent(*keys):
         return ' / '.join(f'{100 * summary[key]:.2f}' for key in keys)
-    finished, ran = summary['finished'], summary['runs'] - summary.get('read_back', 0)
+    finished = summary['finished']
+    ran = summary['runs'] - summary.get('read_back', 0)  # in this process, not read back
     notes = f", {summary['failed']} failed (the loss became NaN)" if summary['failed'] else ''
     if summary.get('read_back'):
         now = f', {ran} run now' if ran else ''
@@ -983,17 +952,20 @@ def summary_lines(summary):
     spread = (f"standard deviation {percent('acc_std')} %" if finished > 1 else
               'one run: no standard deviation')
     lines.append(f"accuracy ({summary['evaluated']}): mean {percent('acc_mean')} %, {spread}")
-    if finished > 1:
-        lines.append('95% confidence interval of the mean: ' + ('[{:.2f}, {:.2f}] %'.format(
-            *(100 * x for x in summary['acc_ci95'])) if 'acc_ci95' in summary else
-            f'too few runs ({finished}) for one: it would reach beyond 0-100 %'))
+    if 'acc_ci95' in summary:
+        low, high = summary['acc_ci95']
+        lines.append(f'95% confidence interval of the mean: [{100 * low:.2f}, {100 * high:.2f}] %')
+    elif finished > 1:
+        lines.append(f'95% confidence interval of the mean: too few runs ({finished}) for one: '
+                     'it would reach beyond 0-100 %')
     reached = (f";  runs >= 94%: {summary['reached_94']} of {finished}"
                if 'reached_94' in summary else '')
     lines.append(f"min / median / max: {percent('acc_min', 'acc_median', 'acc_max')} %{reached}")
     if 'acc_no_tta_mean' in summary:  # what flip-TTA adds
         lines.append(f"without flip-TTA (each image alone): mean {percent('acc_no_tta_mean')} %")
     by_epoch = ' '.join(f'{100 * acc:.2f}' for acc in summary.get('acc_by_epoch', []))
-    lines += textwrap.wrap(f'mean by epoch: {by_epoch} %', 100) if by_epoch else []  # the course
+    if by_epoch:  # the course of training
+        lines += textwrap.wrap(f'mean by epoch: {by_epoch} %', 100)
     lines.append('time per run: mean {time_mean_s:.2f} s, median {time_median_s:.2f} s, max '
                  '{time_max_s:.2f} s'.format(**summary))
     if 'runs_per_hour' in summary:
@@ -1012,47 +984,68 @@ def plot_jobs(path, jobs, names=('',)):
     """--plot, a colour a job: valid accuracy by epoch (mean, band of all runs), train (dashed), the
     rate (faint); each run's final accuracy, the mean, its 95 % interval; B - A as --compare's."""
     if not any(not run['failed'] for job in jobs for run in job['runs']):
-        return print(f'--plot {path}: no finished run to draw, nothing written')
+        print(f'--plot {path}: no finished run to draw, nothing written')
+        return None
     from matplotlib.figure import Figure  # only here: --plot alone needs matplotlib
-    curves, finals = Figure((12, 4 + len(jobs) / 2.5), layout='constrained').subplots(1, 2)
-    figure, rate = curves.figure, curves.twinx()
+    from matplotlib.ticker import MaxNLocator
+    figure = Figure((12, 4 + len(jobs) / 2.5), layout='constrained')
+    curves, finals = figure.subplots(1, 2)
+    rate = curves.twinx()
     for i, (name, job) in enumerate(zip(names, jobs)):
-        runs, colour, o = [r for r in job['runs'] if not r['failed']], f'C{i}', job['options']
-        valid, train, lr = (np.array([[row[k] for row in r['rows']] for r in runs]) for k in
-                            ('valid_acc', 'train_acc', 'lr'))
-        epochs, acc, s = np.arange(1, valid.shape[1] + 1), 100 * valid[:, -1], summarize(runs)
-        given = ['--tiny'] * o['tiny'] + [f'{k}={o[k]}' for k in HYP_OPTIONS if o[k]] + o['set']
-        first = acc if i == 0 else first
-        w = welch(first, acc) if i and min(len(first), len(acc)) > 1 else {}
-        label = f"{name}{len(runs)} run(s): {' '.join(given) or 'the recipe'}" + (
-            ", {} - A: {:+.2f} [{:+.2f}, {:+.2f}] points".format(name[:1], w['diff'], *w['ci95'])
-            if w.get('se') else '')
+        runs = [run for run in job['runs'] if not run['failed']]
+        valid, train, lr = (np.array([[row[k] for row in run['rows']] for run in runs])
+                            for k in ('valid_acc', 'train_acc', 'lr'))
+        epochs = np.arange(1, valid.shape[1] + 1)
+        acc = 100 * valid[:, -1]
+        if i == 0:
+            first_acc = acc
+        options = job['options']
+        given = ['--tiny'] if options['tiny'] else []
+        given += [f'{k}={options[k]}' for k in HYP_OPTIONS if options[k]] + options['set']
+        label = f"{name}{len(runs)} run(s): {' '.join(given) or 'the recipe'}"
+        w = {}
+        if i > 0 and min(len(first_acc), len(acc)) > 1:
+            w = welch(first_acc, acc)
+        if w.get('se'):
+            low, high = w['ci95']
+            label += f", {name[:1]} - A: {w['diff']:+.2f} [{low:+.2f}, {high:+.2f}] points"
+        colour = f'C{i}'
         curves.fill_between(epochs, 100 * valid.min(0), 100 * valid.max(0), color=colour, alpha=0.2)
         curves.plot(epochs, 100 * valid.mean(0), '.-', color=colour, label=label)
         curves.plot(epochs, 100 * train.mean(0), '.--', color=colour)
         rate.plot([0, *epochs], [0, *lr[0]], color=colour, alpha=0.3, lw=1)
-        m, ci = 100 * s['acc_mean'], [100 * x for x in s.get('acc_ci95', ())]  # rounded as ci is
-        finals.errorbar(i, m, [[m - ci[0]], [ci[1] - m]] if ci else None, fmt='kD', capsize=8)
+        summary = summarize(runs)
+        mean = 100 * summary['acc_mean']  # as the interval's ends are rounded
+        interval = None
+        if 'acc_ci95' in summary:
+            low, high = (100 * x for x in summary['acc_ci95'])
+            interval = [[mean - low], [high - mean]]
+        finals.errorbar(i, mean, interval, fmt='kD', capsize=8)
         finals.plot([i] * len(acc), acc, 'o', color=colour, alpha=0.5)
     curves.set(xlabel='epoch', ylabel='valid accuracy, % (band: every run; dashed: train)')
+    curves.xaxis.set_major_locator(MaxNLocator(integer=True))  # whole epochs
     rate.set(ylabel="learning rate (faint), at each epoch's end")
     finals.set(xticks=range(len(jobs)), xticklabels=[n[:1] for n in names], ylabel='final, %')
     figure.legend(loc='outside lower center')
-    figure.suptitle(' | '.join({f"{j['device']}, {j['dtype'].split('.')[-1]}": 0 for j in jobs}))
-    figure.savefig(path, dpi=150)
-    if in_notebook_cell():  # under the cell too, as a PNG: a bare Figure shows there as text
-        from IPython.display import Image, display
-        display(Image(figure.savefig(buffer := io.BytesIO(), format='png') or buffer.getvalue()))
+    devices = {f"{job['device']}, {job['dtype'].split('.')[-1]}": None for job in jobs}
+    figure.suptitle(' | '.join(devices))
+    picture = io.BytesIO()
+    figure.savefig(picture, format=Path(path).suffix[1:], dpi=150)
+    write_atomically(path, picture.getvalue(), '--plot')
     return figure
 
 
 def device_description(device):
     """The device as the header and a job's identity name it: a CPU's kernels and threads too."""
-    if device.type != 'cpu':
+    if device.type == 'cuda':
         return (f'{torch.cuda.get_device_name(device)}, CUDA {torch.version.cuda}, cuDNN '
-                f'{torch.backends.cudnn.version()}' if device.type == 'cuda' else 'Apple MPS')
+                f'{torch.backends.cudnn.version()}')
+    if device.type == 'mps':
+        return 'Apple MPS'
+    kernels = torch.backends.cpu.get_cpu_capability()
     isa = os.environ.get('ONEDNN_MAX_CPU_ISA')  # the kernels round differently: part of a job
-    kernels = torch.backends.cpu.get_cpu_capability() + (f', oneDNN up to {isa}' if isa else '')
+    if isa:
+        kernels += f', oneDNN up to {isa}'
     threads = torch.get_num_threads()
     return f"CPU ({platform.machine()}, {kernels} kernels, {threads} thread{'s' * (threads != 1)})"
 
@@ -1060,22 +1053,24 @@ def device_description(device):
 def count_flops(hyp, n_train):
     """A run's model FLOPs, counted by torch on the meta device: a training step, the whitening."""
     from torch.utils.flop_counter import FlopCounterMode
+    n = hyp['batch_size']
     with torch.device('meta'):
-        net, n = ResNet9(torch.zeros(27, 3, 3, 3), hyp), hyp['batch_size']
-        batch, labels = torch.zeros(n, 3, 32, 32), torch.zeros(n, dtype=torch.long)
+        net = ResNet9(torch.zeros(27, 3, 3, 3), hyp)
+        images, labels = torch.zeros(n, 3, 32, 32), torch.zeros(n, dtype=torch.long)
         with FlopCounterMode(display=False) as step:
-            summed_loss(net, batch, labels, hyp['label_smoothing'])[0].backward()
+            summed_loss(net, images, labels, hyp['label_smoothing'])[0].backward()
         with FlopCounterMode(display=False) as whitening:
             if hyp['whitening'] != 'none':  # a network without it does not compute it
                 patch_moment(torch.zeros(min(hyp['whitening_images'], n_train), 3, 32, 32))
-    steps = hyp['epochs'] * (n_train // hyp['batch_size'])
-    step, whitening = step.get_total_flops(), whitening.get_total_flops()
-    return dict(step=step, steps=steps, whitening=whitening, run=steps * step + whitening)
+    steps = hyp['epochs'] * (n_train // n)
+    step_flops = step.get_total_flops()
+    whitening_flops = whitening.get_total_flops()
+    return dict(step=step_flops, steps=steps, whitening=whitening_flops,
+                run=steps * step_flops + whitening_flops)
 
 
-# Datasheets' dense fp16/bf16 tensor-core peaks, TFLOP/s (fp32 accumulation; half "with sparsity"),
-# by torch.cuda.get_device_name(): a variant not listed (H100 NVL, a MIG slice, a laptop's) has
-# none (--peak-tflops gives one). A10G: AWS's A10; RTX 4090: Ada's whitepaper (330 with fp16 sums)
+# Datasheets' dense fp16/bf16 tensor-core peaks, TFLOP/s, fp32 sums (A10G: AWS's A10), by
+# torch.cuda.get_device_name(); a GPU not listed (H100 NVL, a MIG slice) needs --peak-tflops.
 PEAK_TFLOPS = {
     'NVIDIA H100 80GB HBM3': 989, 'NVIDIA H100 PCIe': 756, 'NVIDIA H200': 989,
     **dict.fromkeys(('NVIDIA A100-SXM4-40GB', 'NVIDIA A100-SXM4-80GB', 'NVIDIA A100-PCIE-40GB',
@@ -1087,9 +1082,10 @@ PEAK_TFLOPS = {
 def peak_tflops(device, dtype, given=None):
     """The --peak-tflops given, else the table's figure for a known GPU training in fp16, or bf16
     where it has bf16 tensor cores (compute capability 8.0 on; a T4 or V100 emulates it)."""
-    if (given or device.type != 'cuda' or dtype == torch.float32 or dtype == torch.bfloat16
-            and torch.cuda.get_device_capability(device)[0] < 8):
+    if given or device.type != 'cuda' or dtype == torch.float32:
         return given
+    if dtype == torch.bfloat16 and torch.cuda.get_device_capability(device)[0] < 8:
+        return None
     return PEAK_TFLOPS.get(torch.cuda.get_device_name(device))
 
 
@@ -1111,7 +1107,10 @@ def t_quantile(p, df):
     low, high = -1e6, 1e6
     for _ in range(60):
         mid = (low + high) / 2
-        low, high = (mid, high) if t_cdf(mid, df) < p else (low, mid)
+        if t_cdf(mid, df) < p:
+            low = mid
+        else:
+            high = mid
     return (low + high) / 2
 
 
@@ -1165,38 +1164,14 @@ def read_job(path, option):
         raise UserError(f'{option} {path}: no such file') from None
     except (OSError, ValueError):  # a folder; UnicodeDecodeError and JSONDecodeError
         job = None
-    sha256 = job.pop('sha256', None) if isinstance(job, dict) else None
+    sha256 = None
+    if isinstance(job, dict):
+        sha256 = job.pop('sha256', None)  # the content's, as written
     if sha256 != job_sha256(job) or job.get('format') != JOB_FORMAT:  # one check for all
         raise UserError(f'{option} {path} is not a job file as this version of train_cifar10.py '
                         "wrote it (another file, an older version's, cut short, or changed since "
                         'by hand or damage); left as it is')
     return job
-
-
-def hold_job_file(path):
-    """Make this process path's one writer: an flock on the hidden .NAME.lock beside it, which
-    stays; released when its descriptor closes or the process ends. None without flock (Windows)."""
-    try:
-        import fcntl
-    except ImportError:
-        return None
-    lock, lock_path = None, Path(path).with_name(f'.{Path(path).name}.lock')
-    try:
-        try:  # rw-r--r-- (0o666 less the umask), as open() makes files; NFS locks need writing
-            lock = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o666)
-        except PermissionError:  # another user's lock file: read-only will do for a local flock
-            lock = os.open(lock_path, os.O_RDONLY)
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return lock
-    except OSError as e:
-        if lock is not None:
-            os.close(lock)
-        if isinstance(e, BlockingIOError):
-            raise UserError(f'{path} is the file of a job that another process is running: wait '
-                            'for it to end, or give another path') from None
-        print(f'note: {path} cannot be locked here ({e.strerror}): nothing stops a second job '
-              'from writing it too', file=sys.stderr)
-        return None
 
 
 def job_differences(a, b, keys=JOB_KEYS):
@@ -1214,106 +1189,137 @@ def compare_lines(paths, plot=None):
     """--compare's report: each job's accuracies, and each against the first (A) by Welch's t."""
     if not 2 <= len(paths) <= 26:
         raise UserError(f'--compare takes 2 to 26 job files (A, B, ...), not {len(paths)}')
-    jobs, sides = [read_job(path, '--compare') for path in paths], 'ABCDEFGHIJKLMNOPQRSTUVWXYZ'
-    lines, acc = [], []
+    jobs = [read_job(path, '--compare') for path in paths]
+    sides = 'ABCDEFGHIJKLMNOPQRSTUVWXYZ'[:len(jobs)]
+    lines, accuracies = [], []
     for i, (side, path, job) in enumerate(zip(sides, paths, jobs)):
-        if differences := job_differences(jobs[0], job, DATA_KEYS):
+        differences = job_differences(jobs[0], job, DATA_KEYS)
+        if differences:
             raise UserError(f"--compare: {paths[0]} and {path} tested on different data, "
                             f"{', '.join(differences)}: their accuracies are not comparable")
         if any(run in other['runs'] for other in jobs[:i] for run in job['runs']):  # NaN: null
             raise UserError(f'--compare: {path} holds runs of a job before it (one job twice, or '
                             'a copy of it?): a side must be a job of its own')
         runs = job['runs']
-        acc.append(a := np.array([r['accuracy'] for r in runs if not r['failed']]))
-        if not len(a):
+        acc = np.array([run['accuracy'] for run in runs if not run['failed']])
+        if not len(acc):
             raise UserError(f'--compare: {path} has no finished run')
-        notes = [f'{len(runs) - len(a)} failed, left out'] if len(runs) > len(a) else []
+        accuracies.append(acc)
+        notes = []
+        if len(runs) > len(acc):
+            notes.append(f'{len(runs) - len(acc)} failed, left out')
         if len(runs) < job['runs_requested']:
             notes.append(f"unfinished: {len(runs)} of {job['runs_requested']} runs")
         notes = f" ({'; '.join(notes)})" if notes else ''
-        spread = f'standard deviation {100 * a.std(ddof=1):.2f} %' if len(a) > 1 else 'one run'
-        lines.append(f"{side}  {path}: {len(a)} run{'s' * (len(a) > 1)}{notes}, final "
-                     f"accuracy ({evaluated({**HYP, **job['hyperparameters']})}) mean "  # HYP: old
-                     f'{100 * a.mean():.2f} %, {spread}')
+        spread = f'standard deviation {100 * acc.std(ddof=1):.2f} %' if len(acc) > 1 else 'one run'
+        of = evaluated({**HYP, **job['hyperparameters']})  # HYP: what an older job lacks
+        lines.append(f"{side}  {path}: {len(acc)} run{'s' * (len(acc) > 1)}{notes}, final "
+                     f'accuracy ({of}) mean {100 * acc.mean():.2f} %, {spread}')
     means = [epoch_means(job['runs']) for job in jobs]  # the course of training, side by side
-    lines += ['mean valid accuracy by epoch, %:', table_line(('epoch', *sides[:len(jobs)]))]
-    lines += [table_line([epoch + 1, *(f'{100 * m[epoch]:.2f}' if epoch < len(m) else '' for m in
-                                       means)]) for epoch in range(max(map(len, means)))]
-    for side, job, b in list(zip(sides, jobs, acc))[1:]:
+    lines += ['mean valid accuracy by epoch, %:', table_line(('epoch', *sides))]
+    for epoch in range(max(map(len, means))):
+        cells = [f'{100 * m[epoch]:.2f}' if epoch < len(m) else '' for m in means]
+        lines.append(table_line([epoch + 1, *cells]))
+    a = accuracies[0]
+    for side, job, b in list(zip(sides, jobs, accuracies))[1:]:
         differences = job_differences(jobs[0], job, [k for k in JOB_KEYS if k != 'seed'])
         lines.append(f"\n{side} differs from A in: {', '.join(differences) or 'nothing recorded'}")
-        w = welch(acc[0], b) if (few := min(len(acc[0]), len(b))) > 1 else {}
+        few = min(len(a), len(b))  # the runs of the smaller side
+        w = {}
+        if few > 1:
+            w = welch(a, b)
         if not w.get('se'):  # one run a side, or no spread
-            lines.append(f'{side} - A: {100 * (b.mean() - acc[0].mean()):+.3f} points; no test: ' +
-                         ('it needs two runs a side' if few < 2 else 'both repeat one accuracy'))
+            why = 'it needs two runs a side' if few < 2 else 'both repeat one accuracy'
+            lines.append(f'{side} - A: {100 * (b.mean() - a.mean()):+.3f} points; no test: {why}')
             continue
         low, high = w['ci95']
         lines.append(f"{side} - A: {100 * w['diff']:+.3f} points, 95 % confidence interval "
                      f"[{100 * low:+.3f}, {100 * high:+.3f}] (Welch, {w['df']:.1f} degrees of "
                      f"freedom), p = {w['p']:.2g} (two-sided)")
-        lines.append('the interval holds 0: no difference shown at the 5 % level' if low <= 0 <=
-                     high else f"{side} is {'higher' if w['diff'] > 0 else 'lower'} than A at the "
-                     '5 % level')
+        if low <= 0 <= high:
+            lines.append('the interval holds 0: no difference shown at the 5 % level')
+        else:
+            lines.append(f"{side} is {'higher' if w['diff'] > 0 else 'lower'} than A at the 5 % "
+                         'level')
         smallest = 100 * w['se'] * (t_quantile(0.975, w['df']) + t_quantile(0.8, w['df']))
-        lines.append(f'these runs would find a true difference of {smallest:.3f} points or more 80 '
-                     '% of the time at the 5 % level' + ('; with fewer than 5 runs a side, the '
-                     'test rests on normally distributed accuracies, which so few cannot show'
-                                                         if few < 5 else ''))
+        caveat = ''
+        if few < 5:
+            caveat = ('; with fewer than 5 runs a side, the test rests on normally distributed '
+                      'accuracies, which so few cannot show')
+        lines.append(f'these runs would find a true difference of {smallest:.3f} points or more '
+                     f'80 % of the time at the 5 % level{caveat}')
     if plot:  # --plot: the jobs, each in a colour, each against the first
         plot_jobs(plot, jobs, [f'{side} {path}, ' for side, path in zip(sides, paths)])
     return lines
 
 
 # ==== The command line, and main ===============================================================
-# --tiny: the same code on a subset, narrow: seconds on 2 CPU cores, well above chance. 184 steps
-# are too few for an EMA at 0.99 (a ~100-step horizon): 0.9; 250 test images a batch fit CPU caches.
+# --tiny: the recipe on a subset, narrow: seconds on 2 CPU cores; its 184 steps need an EMA of 0.9.
 TINY = dict(epochs=4, batch_size=64, train_images=3000, test_images=500, channels=(8, 16, 32, 64),
             ema_momentum=0.9, whitening_images=3000, eval_batch_size=250)
 HYP_OPTIONS = ('epochs', 'batch_size')  # their options' None keeps HYP's (TINY's) value
-# What can make the method's run: an interval ('[0, 1)': 0 up to, not 1; a tuple: each) or a set.
-HYP_RANGES = dict(
-    epochs='[1, inf)', batch_size='[1, inf)', lr_peak='(0, inf)', lr_floor='[0, inf)',
-    floor_epochs='[0, inf)', momentum='[0, 1)', weight_decay='[0, inf)', bias_lr_scale='(0, inf)',
-    label_smoothing='[0, 1)', ema_momentum='[0, 1)', ema_every='[1, inf)', bn_split_size='[0, inf)',
-    bn_scale_frozen='{True, False}', celu_alpha='[0, inf)', logit_scale='(0, inf)',
-    whitening='{fixed, learned, none}', flip_tta='{True, False}', channels='[1, inf)',
-    whitening_images='[1, inf)', whitening_eps='(0, inf)', pad='[0, 31]', cutout='[0, 32]',
-    augment_options='[1, inf)', eval_batch_size='[1, inf)', train_images='[1, inf)',
-    test_images='[1, inf)')
+# What a run of the method needs of each number in HYP (each of a tuple's): finite, at least 0 (1
+# where AT_LEAST_1), above 0 where ABOVE_0, below 1 where BELOW_1, at most AT_MOST's.
+AT_LEAST_1 = ('epochs', 'batch_size', 'ema_every', 'channels', 'whitening_images',
+              'augment_options', 'eval_batch_size', 'train_images', 'test_images')
+ABOVE_0 = ('lr_peak', 'bias_lr_scale', 'logit_scale', 'whitening_eps')
+BELOW_1 = ('momentum', 'label_smoothing', 'ema_momentum')
+AT_MOST = dict(pad=31, cutout=32)  # within a 32 x 32 image
 
 
-def within(value, interval):
-    """Whether value (each value of a tuple) lies in an interval such as '[0, 1)', or a set."""
-    if interval[0] == '{':
-        return str(value) in interval[1:-1].split(', ')
-    low, high = map(float, interval[1:-1].split(','))
-    return all((low <= v if interval[0] == '[' else low < v) and
-               (v <= high if interval[-1] == ']' else v < high) for v in np.atleast_1d(value))
+def out_of_range(name, value):
+    """Why value cannot make a run of the method as hyperparameter name, or None."""
+    if name == 'whitening':
+        return None if value in ('fixed', 'learned', 'none') else 'must be fixed, learned or none'
+    low = 1 if name in AT_LEAST_1 else 0
+    for number in np.atleast_1d(value):
+        if name in ABOVE_0 and not 0 < number < math.inf:
+            return 'must be a finite number above 0'
+        if not low <= number < math.inf:  # NaN too
+            return f'must be a finite number of at least {low}'
+        if name in BELOW_1 and number >= 1:
+            return 'must be below 1'
+        if number > AT_MOST.get(name, math.inf):
+            return f'must be at most {AT_MOST[name]}'
+    return None
 
 
 def as_typed(value):
     """A hyperparameter's value as --set takes it: a tuple as 64,128,256,512."""
-    return ','.join(map(str, value)) if isinstance(value, tuple) else str(value)
+    if isinstance(value, tuple):
+        return ','.join(map(str, value))
+    return str(value)
 
 
 def hyp_setting(text):
     """--set's NAME=VALUE as (NAME, VALUE), VALUE of HYP's type (a tuple: 1,2,3 or (1, 2, 3))."""
     name, equals, value = text.partition('=')
     default = HYP.get(name)
-    with contextlib.suppress(TypeError, ValueError, KeyError):  # TypeError: no such name (None)
-        parsed = (tuple(map(type(default[0]), value.strip('()').split(','))) if
-                  isinstance(default, tuple) else {'True': True, 'False': False}[value] if
-                  isinstance(default, bool) else type(default)(value))  # bool('False') is True
+    with contextlib.suppress(ValueError, KeyError, TypeError):  # TypeError: no such name (None)
+        if isinstance(default, tuple):
+            parsed = tuple(type(default[0])(part) for part in value.strip('()').split(','))
+        elif isinstance(default, bool):
+            parsed = {'True': True, 'False': False}[value]  # bool('False') is True
+        else:
+            parsed = type(default)(value)
         if equals and np.shape(parsed) == np.shape(default):  # a tuple of as many values
             return name, parsed
     if name not in HYP:
+        why = 'no such hyperparameter'
         close = difflib.get_close_matches(name.lower(), HYP, 1) or [k for k in HYP if name in k]
-        why = 'no such hyperparameter' + (f' (did you mean {close[0]}?)' if close else '')
+        if close:
+            why += f' (did you mean {close[0]}?)'
     elif not equals:  # --set label_smoothing 0.1
         why = f"no '=': --set takes NAME=VALUE, as {name}={as_typed(default)}"
     else:
         why = f'{name} takes a value like {as_typed(default)}'
     raise argparse.ArgumentTypeError(f'{text!r}: {why}')
+
+
+def set_argument(text):
+    """A --set argument, checked by hyp_setting and kept as typed, as the job file records it."""
+    hyp_setting(text)
+    return text
 
 
 def parse_args(argv, defaults=None):
@@ -1335,18 +1341,20 @@ def parse_args(argv, defaults=None):
     add('--dtype', default='auto', choices=['auto', 'fp16', 'bf16', 'fp32'],
         help='auto: fp16 on cuda, else fp32')
     add('--seed', type=int, default=0, help='seed of the first run (default: 0)')
-    add('--set', nargs='+', action='extend', default=[], metavar='NAME=VALUE',  # kept as typed
-        type=lambda t: hyp_setting(t) and t, help="hyperparameters; the defaults (--tiny's: TINY) "
-        'are ' + ' '.join(f'{name}={as_typed(value)}' for name, value in HYP.items()) + "; Page's "
-        "tricks off: " + ' '.join(f'{name}={value}' for name, value in TRICKS_OFF.values()))
+    hyp_defaults = ' '.join(f'{name}={as_typed(value)}' for name, value in HYP.items())
+    tricks_off = '; '.join(f'{instead} instead of {trick}: {name}={value}'
+                           for trick, (instead, name, value) in TRICKS_OFF.items())
+    add('--set', nargs='+', action='extend', default=[], metavar='NAME=VALUE', type=set_argument,
+        help=f"hyperparameters; the defaults (--tiny's: TINY) are {hyp_defaults}. Page's tricks, "
+        f'each off: {tricks_off}')
     add('--tiny', action='store_true', help='an install check: a subset, a narrow net, seconds')
     add('--json', metavar='PATH', help="write the job: every run's rows, the summary")
     add('--save', metavar='PATH', help="save the last finished run's EMA model")
     add('--plot', metavar='PATH', help="draw the runs (or --compare's jobs): .png, .svg, .pdf")
     add('--resume', metavar='PATH', help="continue this --json file's job, in it, with its options")
     add('--compare', nargs='+', metavar='JOB', help='compare jobs with the first; trains nothing')
-    add('--compile', action=argparse.BooleanOptionalAction, help='(default: on, CUDA graphs on '
-        "one GPU; off on mps, --tiny): 51 s on a fresh H100, 24 s cached; eager: README's Speed")
+    add('--compile', action=argparse.BooleanOptionalAction, help='(default: on, as CUDA graphs on '
+        'one GPU; off on mps and for --tiny): a minute or less, once, before the first run')
     add('--spread', choices=['batches', 'runs'], default='batches',
         help='torchrun: split each batch over the ranks, or give each rank whole runs')
     add('--peak-tflops', type=float, metavar='TFLOPS', help="the device's peak, for the MFU")
@@ -1359,18 +1367,18 @@ def in_notebook_cell():
     return os.path.basename(sys.argv[0]).endswith('kernel_launcher.py')
 
 
-def check_options(args, hyp, world, own=()):
-    """Refuse, before any work, what cannot make a sensible run: one line, '--option value: why'.
-    own: the resumed job's --save, which it goes on rewriting."""
-    peak, batch = args.peak_tflops, hyp['batch_size']
+def check_options(args, hyp, world, resumed_save=None):
+    """Refuse what cannot make a sensible run, in one line: '--option value: why'."""
     for name, value in hyp.items():
-        if name in HYP_RANGES and not within(value, HYP_RANGES[name]):
-            typed = name in HYP_OPTIONS and getattr(args, name) is not None  # --epochs, ...
-            where = (f"--{name.replace('_', '-')} {value}" if typed else
-                     f'--set {name}={as_typed(value)}')
-            raise UserError(f'{where}: must be in {HYP_RANGES[name]}')
+        why = out_of_range(name, value)
+        if why is None:
+            continue
+        if name in HYP_OPTIONS and getattr(args, name) is not None:  # --epochs, --batch-size
+            raise UserError(f"--{name.replace('_', '-')} {value}: {why}")
+        raise UserError(f'--set {name}={as_typed(value)}: {why}')
     split = world * (hyp['bn_split_size'] or 1)  # each rank takes whole splits of ghost batch norm
-    ranks = f" x {world} ranks" if world > 1 else ''
+    ranks = f' x {world} ranks' if world > 1 else ''
+    peak, batch = args.peak_tflops, hyp['batch_size']
     checks = [('--runs', args.runs, args.runs >= 1, 'must be at least 1'),
               ('--batch-size', batch, batch % split == 0, 'must be a positive multiple of '
                f"{split} (ghost batch norm's split of {hyp['bn_split_size']}{ranks})"),
@@ -1383,11 +1391,14 @@ def check_options(args, hyp, world, own=()):
     outputs = {f'--{name}': getattr(args, name) for name in ('json', 'resume', 'save', 'plot')}
     paths = [os.path.realpath(p) for p in [*outputs.values(), *(args.compare or [])] if p]
     for flag, path in outputs.items():
-        if path is not None and (why := output_problem(flag, path, paths, own)):
+        if path is None:
+            continue
+        why = output_problem(flag, path, paths, resumed_save)
+        if why:
             raise UserError(f'{flag} {path!r}: {why}')
 
 
-def output_problem(flag, path, paths, own):
+def output_problem(flag, path, paths, resumed_save=None):
     """Why a job cannot use path as flag's file (the OS's reason where it gives one), or None."""
     if not path:
         return 'an empty path (an unset shell variable?): give a file name'
@@ -1410,46 +1421,54 @@ def output_problem(flag, path, paths, own):
             Figure().text(0, 0, 'x').figure.savefig(io.BytesIO(), format=Path(path).suffix[1:])
         except Exception as e:  # ValueError: no such format; RuntimeError: no xelatex; ...
             return 'matplotlib cannot write it here: ' + str(e).split('\n')[0]  # TeX's run to pages
-    elif flag != '--resume' and path not in own and os.path.exists(path):  # hours of runs, maybe
-        return ('exists, and a new job overwrites no file: give another path, or ' +
-                ('--resume it if it holds this job' if flag == '--json' else 'delete it'))
+    elif flag != '--resume' and path != resumed_save and os.path.exists(path):  # hours of runs
+        instead = '--resume it if it holds this job' if flag == '--json' else 'delete it'
+        return f'exists, and a new job overwrites no file: give another path, or {instead}'
+
+
+def hyp_given(args):
+    """The hyperparameters args give, as (name, value): --epochs, --batch-size, then --set's."""
+    options = [(name, getattr(args, name)) for name in HYP_OPTIONS]
+    return [(name, value) for name, value in options if value is not None] + [
+        hyp_setting(text) for text in args.set]
 
 
 class Job:
     """One command's runs and the files rewritten after each: main calls set_up, train and end."""
 
     def __init__(self, args, argv=()):
-        self.argv, (self.rank, self.local_rank, self.world) = argv, torchrun_ranks()
-        self.log = print if self.rank == 0 else (lambda *_, **__: None)
+        self.args, self.argv = args, argv  # as parsed, and as given
+        self.rank, self.local_rank, self.world = torchrun_ranks()
+        self.log = print if self.rank == 0 else lambda *args, **kwargs: None  # rank 0 alone
         self.path = args.resume or args.json  # the job file: a resumed job goes on writing its own
-        self.args, self.runs, self.read_back, self.networks, self.lock = args, [], 0, None, None
+        self.runs, self.read_back = [], 0  # the finished runs in order, and those read back
+        self.networks = None
 
     def set_up(self):
-        """All that can be refused, before any training: the options and the job file, the
-        device, the data and the settings that make the job; then the runs read back."""
-        def given(args):  # the hyperparameters that options give, as (name, value)
-            return [(k, getattr(args, k)) for k in HYP_OPTIONS if getattr(args, k) is not None
-                    ] + list(map(hyp_setting, args.set))
-        own = {}
-        if self.args.resume and os.path.isfile(self.path):  # its options; those given here win
+        """All that can be refused, before any training (options, files, device, data), then the
+        runs read back."""
+        own = {}  # a resumed job's options: those given here win
+        if self.args.resume and os.path.isfile(self.path):
             own = read_job(self.path, '--resume')['options']
-        names = [name for name, _ in given(self.args)]  # two values given here for one: refused
-        if twice := sorted({name for name in names if names.count(name) > 1}):
+        names = [name for name, _ in hyp_given(self.args)]
+        twice = sorted({name for name in names if names.count(name) > 1})
+        if twice:
             raise UserError(f"{', '.join(twice)}: given two values (an option and --set, or twice)")
-        self.args = args = parse_args(self.argv, {  # the file's options under those given here
-            **own, **{k: None for k in HYP_OPTIONS if k in names},  # by name
-            'set': [t for t in own.get('set', []) if t.partition('=')[0] not in names]})
-        self.hyp = hyp = {**HYP, **(TINY if args.tiny else {}), **dict(given(args))}
+        own_set = [text for text in own.get('set', []) if text.partition('=')[0] not in names]
+        given_here = {name: None for name in HYP_OPTIONS if name in names}  # perhaps by --set
+        self.args = args = parse_args(self.argv, {**own, **given_here, 'set': own_set})
+        given = dict(hyp_given(args))
+        self.hyp = hyp = {**HYP, **(TINY if args.tiny else {}), **given}
         self.spread = args.spread == 'runs' and self.world > 1  # a rank trains whole runs
         self.batch_ranks = 1 if self.spread else self.world  # the ranks a batch is split over
-        check_options(args, hyp, self.batch_ranks, {own.get('save')} - {None})
-        if self.path and self.rank == 0:
-            self.lock = hold_job_file(self.path)  # one writer: a second job on it is refused
-        resumed = read_job(self.path, '--resume') if args.resume else None  # now it is ours
-        self.device = device = pick_device(args.device, self.local_rank if self.world > 1 else None,
-                                           share=self.spread)
+        check_options(args, hyp, self.batch_ranks, own.get('save'))  # a resumed job rewrites it
+        resumed = None
+        if args.resume:
+            resumed = read_job(self.path, '--resume')
+        local_rank = self.local_rank if self.world > 1 else None
+        self.device = device = pick_device(args.device, local_rank, share=self.spread)
         self.compiled = compiles(args, device, self.batch_ranks)
-        self.dtype = pick_dtype(args.dtype, device, hyp)
+        self.dtype = pick_dtype(args.dtype, device)
         if self.world > 1:
             join_process_group(device, not self.spread)  # spread: gloo, to gather finished runs
         if self.spread:  # torchrun stops every rank (SIGTERM) when one fails: end as Ctrl-C does
@@ -1460,25 +1479,34 @@ class Job:
         if self.world > 1 and self.local_rank == 0:
             dist.barrier()
         self.data = data = load_cifar10(folder)
-        for key in ('train_images', 'train_labels', 'test_images', 'test_labels'):  # --tiny: fewer
-            data[key] = data[key][:hyp[key.replace('labels', 'images')]]  # the first N
-        if hyp['batch_size'] > len(data['train_images']):
-            raise UserError(f"--batch-size {hyp['batch_size']}: larger than the "
-                            f"{len(data['train_images'])} training images")
+        for kind in ('train', 'test'):  # the first N images: all, or fewer (--tiny, --set)
+            n, available = hyp[f'{kind}_images'], len(data[f'{kind}_images'])
+            if f'{kind}_images' in given and n > available:
+                raise UserError(f'--set {kind}_images={n}: more than the {available} {kind} '
+                                'images of the data')
+            data[f'{kind}_images'] = data[f'{kind}_images'][:n]
+            data[f'{kind}_labels'] = data[f'{kind}_labels'][:n]
+        n_train = len(data['train_images'])
+        if hyp['batch_size'] > n_train:
+            raise UserError(f"--batch-size {hyp['batch_size']}: larger than the {n_train} "
+                            'training images')
         script = globals().get('__file__')  # none in a notebook cell
+        script_sha256 = 'n/a'
+        if script and os.path.isfile(script):
+            script_sha256 = hashlib.sha256(Path(script).read_bytes()).hexdigest()[:16]
         self.context = dict(  # what the header, --resume and --compare read: the job's identity
-            script_sha256=hashlib.sha256(Path(script).read_bytes()).hexdigest()[:16]
-            if script and os.path.isfile(script) else 'n/a', torch=torch.__version__,
+            script_sha256=script_sha256, torch=torch.__version__,
             device=device_description(device), ranks=self.batch_ranks, dtype=str(self.dtype),
-            evaluation_dtype=str(self.dtype), compile=self.compiled,
-            hyperparameters=hyp, seed=args.seed, flops=count_flops(hyp, len(data['train_images'])),
-            peak_tflops=peak_tflops(device, self.dtype, args.peak_tflops), data=data['provenance'],
-            data_digest=data['digest'], train_images=len(data['train_images']),
+            evaluation_dtype=str(self.dtype), compile=self.compiled, hyperparameters=hyp,
+            seed=args.seed, flops=count_flops(hyp, n_train),
+            peak_tflops=peak_tflops(device, self.dtype, args.peak_tflops),
+            data=data['provenance'], data_digest=data['digest'], train_images=n_train,
             test_images=len(data['test_images']))
         if self.spread:  # the ranks' runs make one job: every rank's settings must be rank 0's
             contexts = [None] * self.world
             dist.all_gather_object(contexts, self.context)
-            if differ := sorted({d for c in contexts for d in job_differences(contexts[0], c)}):
+            differ = sorted({d for c in contexts for d in job_differences(contexts[0], c)})
+            if differ:
                 raise UserError(f"the ranks differ in {', '.join(differ)} (rank 0 -> another): a "
                                 "--spread runs job's runs must be one job's; use machines alike")
         if resumed:
@@ -1487,28 +1515,26 @@ class Job:
     def read_back_runs(self, job):
         """Take the resumed job file's runs, if it is this job's with none beyond --runs; rewrite it
         at once if it asked for other --runs (a finished job resumed as it was keeps its file)."""
-        if differences := job_differences(job, json_ready(self.context)):
-            sha256s = job['script_sha256'], self.context['script_sha256']
-            why = (f"that job differs from this one in {', '.join(differences)}, that job's -> "
-                   "this one's" if len(differences) > 1 or sha256s[0] == sha256s[1] else
-                   'the script has changed since that job began (sha256 {} -> {})'.format(*sha256s))
-            raise UserError(f'--resume {self.path}: {why}: resume it with the script, kind of '
-                            'device and options it began with, or give a new job its own --json')
+        differences = job_differences(job, json_ready(self.context))
+        if differences:
+            raise UserError(f"--resume {self.path}: that job differs from this one in "
+                            f"{', '.join(differences)}, that job's -> this one's: resume it with "
+                            'the script, kind of device and options it began with, or give a new '
+                            'job its own --json')
         if job['runs'] and job['runs'][-1]['run'] > self.args.runs:
             raise UserError(f"--resume {self.path} holds runs up to {job['runs'][-1]['run']}, more "
                             f"than --runs {self.args.runs}: that job asked for --runs "
                             f"{job['runs_requested']}")
-        self.runs, self.read_back = job['runs'], len(job['runs'])
+        self.runs = job['runs']
+        self.read_back = len(job['runs'])
         if self.rank == 0 and job['runs_requested'] != self.args.runs:
-            with signals_held():
-                self.write()
+            self.write()
 
     def train(self):
         """Header, runs read back, warm-up, the missing runs (spread: a run a rank each round)."""
-        args, hyp, log = self.args, self.hyp, self.log
+        args, log = self.args, self.log
         torch.backends.cudnn.benchmark = self.device.type == 'cuda'  # shapes fixed: time kernels
-        torch.backends.cudnn.allow_tf32 = False  # fp32 is fp32 on every GPU: the recipe's table
-        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False  # no TF32
         warnings.filterwarnings('ignore', message='TensorFloat32 tensor cores')  # inductor's advice
         log('\n'.join(header_lines(self.context, self.world, self.spread)))
         for run in self.runs:
@@ -1518,33 +1544,32 @@ class Job:
             log(f"\n{'compilation, then ' if self.compiled else ''}warm-up: an untimed run of 2 "
                 'steps and 2 evaluation batches takes the one-off costs', flush=True)
             split_rank = 0 if self.spread else self.rank  # its place among batch_ranks
-            self.networks, self.compiled, run_s = compiled_warm_up(
-                self.data, hyp, self.device, self.dtype, self.compiled, log, split_rank,
+            self.networks, self.compiled = compiled_warm_up(
+                self.data, self.hyp, self.device, self.dtype, self.compiled, log, split_rank,
                 self.batch_ranks)
         self.started = self.kept_at = time.perf_counter()
-        width, mine = (self.world, self.rank) if self.spread else (1, 0)  # runs a round, its own
-        for first in range(0, len(missing), width):
-            if run_s > 60:  # a CPU, a small GPU: when the job ends, from a CPU's warm-up, then runs
-                end = time.ctime(time.time() + run_s * len(missing[first::width]))[:16]
-                log(f"\n{'estimate from the warm-up: ' if first == 0 else ''}a run takes about "
-                    f'{run_s / 60:.1f} min here: the job should end about {end}')
-            runs = missing[first:first + width]
-            record = self.train_one(runs[mine]) if mine < len(runs) else None
+        round_size = self.world if self.spread else 1  # spread: a run a rank at a time
+        mine = self.rank if self.spread else 0  # this rank's run of a round
+        for first in range(0, len(missing), round_size):
+            runs = missing[first:first + round_size]
+            record = None
+            if mine < len(runs):
+                record = self.train_one(runs[mine])
             self.keep([record] if record else [], saved=record)
-            run_s = (self.kept_at - self.started) / (first // width + 1)
+            run_s = (self.kept_at - self.started) / (first // round_size + 1)
+            rounds_left = len(missing[first + round_size::round_size])
+            if run_s > 60 and rounds_left:  # a CPU, a small GPU: when the job should end
+                end = time.ctime(time.time() + run_s * rounds_left)[:16]
+                log(f'\na run takes about {run_s / 60:.1f} min: the job should end about {end}')
             if self.spread:  # every rank's run of the round, to every rank
                 records = [None] * self.world
-                try:
-                    dist.all_gather_object(records, record)
-                except RuntimeError as error:  # gloo's "Connection closed by peer"
-                    print(f'rank {self.rank}: another rank stopped ({str(error)[:80]}...): so does '
-                          'this one, its runs kept', file=sys.stderr)
-                    raise KeyboardInterrupt from None
+                dist.all_gather_object(records, record)
                 self.keep([r for r in records if r])
 
     def train_one(self, run):
         """Train the run (a spread job prints its table whole, once kept); its record."""
-        seed, live = self.args.seed + run - 1, (lambda *_, **__: None) if self.spread else self.log
+        seed = self.args.seed + run - 1
+        live = self.log if not self.spread else lambda *args, **kwargs: None
         live(f'\nrun {run}/{self.args.runs} (seed {seed})\n{table_line(COLUMNS)}', flush=True)
         rows = train_run(self.data, self.networks, self.hyp, seed,
                          lambda row: live(table_line(row[k] for k in ROW_KEYS), flush=True))
@@ -1556,40 +1581,45 @@ class Job:
         return record
 
     def keep(self, records, saved=None):
-        """Keep new finished runs and on rank 0 rewrite the files, Ctrl-C held: from here, kept."""
-        with signals_held():
-            records = [r for r in records if r['run'] not in {run['run'] for run in self.runs}]
-            if not records:
-                return
-            self.runs = sorted(self.runs + records, key=lambda run: run['run'])
-            self.kept_at = time.perf_counter()
-            if self.rank == 0:
-                self.write(saved if saved and not saved['failed'] else None)
-                for run in records if self.spread else []:
-                    self.log('\n'.join(run_table_lines(run, self.args.runs)), flush=True)
+        """Add the new finished runs; on rank 0 rewrite the job file and --save (saved's model)."""
+        kept = {run['run'] for run in self.runs}
+        records = [record for record in records if record['run'] not in kept]
+        if not records:
+            return
+        self.runs = sorted(self.runs + records, key=lambda run: run['run'])
+        self.kept_at = time.perf_counter()
+        if self.rank != 0:
+            return
+        self.write(saved)
+        if self.spread:
+            for run in records:
+                self.log('\n'.join(run_table_lines(run, self.args.runs)), flush=True)
 
     def write(self, saved=None):
         """Rewrite the job file and --save (saved: the run whose EMA model it is)."""
         args, runs = self.args, self.runs
         try:
             if self.path:
-                o = {k: v for k, v in vars(args).items() if k not in ('json', 'resume', 'plot')}
+                not_kept = ('json', 'resume', 'plot')  # the files, not the job's options
+                options = {k: v for k, v in vars(args).items() if k not in not_kept}
                 job = {'format': JOB_FORMAT, **json_ready(dict(
-                    self.context, options=o, runs_finished=len(runs),
+                    self.context, options=options, runs_finished=len(runs),
                     runs_requested=args.runs, runs=runs, summary=self.summary()))}
                 text = json.dumps({**job, 'sha256': job_sha256(job)}, indent=1)
                 write_atomically(self.path, text.encode(), '--json')
-            if args.save and saved:  # what it takes to rebuild the model
+            if args.save and saved and not saved['failed']:  # what it takes to rebuild the model
                 state = {k: v.cpu() for k, v in self.networks.ema.state_dict().items()}
                 checkpoint = dict(state_dict=state, hyperparameters=self.hyp, classes=CLASSES,
                                   mean=CIFAR10_MEAN, std=CIFAR10_STD, run=saved['run'],
                                   seed=saved['seed'], accuracy=saved['accuracy'])
-                torch.save(checkpoint, memory := io.BytesIO())  # a full disk fails it oddly
+                memory = io.BytesIO()
+                torch.save(checkpoint, memory)  # into memory: on a full disk it fails oddly
                 write_atomically(args.save, memory.getvalue(), '--save')
         except UserError as e:
-            rest = (f'--resume {self.path} trains the runs it lacks' if self.path and
-                    Path(self.path).exists() else 'run the same command again')
-            raise UserError(f'{e}: the job stopped; fix that, then {rest}') from None
+            then = 'run the same command again'
+            if self.path and Path(self.path).exists():
+                then = f'--resume {self.path} trains the runs it lacks'
+            raise UserError(f'{e}: the job stopped; fix that, then {then}') from None
 
     def summary(self):
         """The summary of the runs kept (read back too) and the throughput."""
@@ -1605,50 +1635,57 @@ class Job:
         return summary
 
     def end(self, status):
-        """Leave the group, release the job file, say what a stopped job left; summary, --plot."""
-        with signals_held(discard=True):
-            self.networks = None  # its DDP model holds the process group
-            leave_process_group()
-            if self.lock is not None:
-                os.close(self.lock)  # which releases it; the lock file stays
-            if status == 130:
-                finished = f': summary of the {len(self.runs)} finished run(s)' if self.runs else ''
-                go_on = (f'; --resume {self.path} goes on' if Path(self.path).exists() else
-                         '; no run was finished: run the same command again') if self.path else ''
-                self.log(f'\ninterrupted{finished}{go_on}')
-            if self.runs:
-                self.log('\n' + '\n'.join(summary_lines(self.summary())))
-            if self.args.plot and self.rank == 0 and (self.runs or hasattr(self, 'started')):
-                plot_jobs(self.args.plot, [dict(self.context, options=vars(self.args),
-                                                runs=self.runs)])
+        """Leave the group, say what a stopped job left, the summary, and draw --plot. Returns the
+        status, 1 if the picture cannot be written."""
+        self.networks = None  # its DDP model holds the process group
+        leave_process_group()
+        if status == 130:
+            finished = f': summary of the {len(self.runs)} finished run(s)' if self.runs else ''
+            then = ''
+            if self.path and Path(self.path).exists():
+                then = f'; --resume {self.path} goes on'
+            elif self.path:
+                then = '; no run was finished: run the same command again'
+            self.log(f'\ninterrupted{finished}{then}')
+        if self.runs:
+            self.log('\n' + '\n'.join(summary_lines(self.summary())))
+        if self.args.plot and self.rank == 0 and (self.runs or hasattr(self, 'started')):
+            job = dict(self.context, options=vars(self.args), runs=self.runs)
+            try:
+                plot_jobs(self.args.plot, [job])
+            except UserError as e:
+                print(f'error: {e}', file=sys.stderr)
+                return status or 1
+        return status
 
 
 def main(argv=None):
     """Train --runs models, print the tables and the summary (rank 0); returns the exit status."""
-    argv = ([] if in_notebook_cell() else sys.argv[1:]) if argv is None else argv
+    if argv is None:
+        argv = [] if in_notebook_cell() else sys.argv[1:]
     try:
         args = parse_args(argv)
     except SystemExit as e:  # a usage error (2) or --help (0): a status, also in a notebook
         return e.code
-    job, status = Job(args, argv), 0
+    job = Job(args, argv)
+    status = 0
     try:
         if args.compare:  # trains nothing: print the comparison of two jobs
-            flags = [a.split('=')[0] for a in argv if a.startswith('-')]
-            if beside := [flag for flag in flags if flag not in ('--compare', '--plot')]:
-                raise UserError(f"--compare trains nothing: {', '.join(beside)} would not be used")
             check_options(args, HYP, 1)  # --plot's file
             print('\n'.join(compare_lines(args.compare, args.plot)))
             return 0
         job.set_up()
         job.train()
     except UserError as e:  # torchrun stops the other ranks when one exits with an error
-        print(f"error{f' (rank {job.rank})' if job.world > 1 else ''}: {e}", file=sys.stderr)
+        rank = f' (rank {job.rank})' if job.world > 1 else ''
+        print(f'error{rank}: {e}', file=sys.stderr)
         status = 1
     except KeyboardInterrupt:  # Ctrl-C, or torchrun stopping a spread job
         status = 130
     finally:
-        job.end(status)
-    return status or int(len(job.runs) < args.runs or any(run['failed'] for run in job.runs))
+        status = job.end(status)
+    unfinished = len(job.runs) < args.runs or any(run['failed'] for run in job.runs)
+    return status or int(unfinished)
 
 
 if __name__ == '__main__':
