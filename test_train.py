@@ -1594,7 +1594,7 @@ def test_tiny_run_learns_prints_the_table_and_writes_its_files(dataset, tmp_path
                  'time per run: mean', 'without flip-TTA (each image alone): mean'):
         assert text in result.stdout
     assert 'runs >= 94%' not in result.stdout                     # meaningless for --tiny
-    assert 'warm-up: an untimed run of 2 steps' in result.stdout
+    assert 'warm-up: untimed runs of 2 steps' in result.stdout
     assert '\r' not in result.stderr                              # no progress line in a piped log
 
     report = json.loads((out / 'r.json').read_text())
@@ -2013,6 +2013,7 @@ def test_set_changes_any_hyperparameter_and_resume_and_compare_carry_it(finished
     ('label_smothing=0.1', 2, "error: argument --set: 'label_smothing=0.1': no such hyperparameter (did you mean "
                               'label_smoothing?); --help lists the options\n'),
     ('dropout=0.1', 2, "error: argument --set: 'dropout=0.1': no such hyperparameter; --help lists the options\n"),
+    ('=3', 2, "error: argument --set: '=3': no such hyperparameter; --help lists the options\n"),     # no name
     ('ema=0', 2, "error: argument --set: 'ema=0': no such hyperparameter (did you mean ema_momentum?); --help"),
     ('ema_every=2.5', 2, "error: argument --set: 'ema_every=2.5': ema_every takes a value like 5; --help"),
     ('channels=8,x,32,64', 2, "error: argument --set: 'channels=8,x,32,64': channels takes a value like 64,128,256,"),

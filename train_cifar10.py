@@ -543,7 +543,7 @@ def train_run(data, networks, hyp, seed, on_epoch, steps_per_epoch=None, test_ba
 
 
 # #############################################################################################
-# Harness: what a run is given (device, dtype, compilation, TF32, ranks, --tiny's TINY) and all
+# Harness: what a run is given (device, dtype, compilation, ranks, --tiny's TINY), and all
 # around it: download, torchrun, timing, reporting, statistics, job files, the command line.
 # #############################################################################################
 
@@ -579,14 +579,14 @@ class UserError(Exception):
 
 def ensure_cifar10(data_dir, url=CIFAR10_URL, md5=CIFAR10_MD5):
     """The folder of the batch files, data_dir or its cifar-10-batches-py, downloaded if missing.
-    What it makes appears whole or not at all (a part file, a staging folder), whoever shares it."""
+    What it makes appears whole or not at all (a part file, a staging folder), to other jobs too."""
     data_dir = Path(data_dir)
     if (data_dir / 'data_batch_1').is_file():
         return data_dir
     if data_dir.is_file():
         raise UserError(f'--data-dir {data_dir} is a file, not a folder')
-    made = [f for f in [data_dir.resolve(), *data_dir.resolve().parents] if not f.exists()]
-    archive = data_dir / CIFAR10_URL.rsplit('/', 1)[-1]  # whatever the mirror's url
+    existed = data_dir.exists()
+    archive = data_dir / CIFAR10_URL.rsplit('/', 1)[-1]  # the official name, from any mirror
     partial = archive.with_name(f'.{archive.name}.{platform.node()}.part')
     failed, advice = 'cannot make it', ''
     try:
@@ -613,7 +613,7 @@ def ensure_cifar10(data_dir, url=CIFAR10_URL, md5=CIFAR10_MD5):
     except (OSError, ValueError, EOFError, tarfile.TarError, http.client.HTTPException) as e:
         if not (data_dir / BATCHES_DIR).is_dir():  # else another job put it there first, whole
             why = getattr(e, 'reason', e)  # a URLError's or HTTPError's reason
-            hint = ' (is that path right?)' if made else ''  # likelier than a network fault
+            hint = '' if existed else ' (is that path right?)'  # likelier than a network fault
             raise UserError(f'no CIFAR-10 in --data-dir {data_dir}{hint}; {failed} ({why}){advice}'
                             ) from None
     finally:
@@ -683,7 +683,7 @@ def pick_device(name, local_rank=None, share=False):
         elif mps:
             name = 'mps'
     with contextlib.suppress(RuntimeError):  # torch.device('cuda:x') raises
-        device = torch.device(name)  # str(): cuda:128 is cuda:-128 to it, cuda:255 cuda
+        device = torch.device(name)  # it wraps some (cuda:128 is cuda:-128): str() must match
         index = device.index
         if device.type == 'cuda' and local_rank is not None:
             index = local_rank % gpus if share and gpus else local_rank
@@ -695,9 +695,9 @@ def pick_device(name, local_rank=None, share=False):
             raise UserError(f'--device {given}: more ranks on this machine than its {gpus} GPU(s); '
                             'ranks that split batches take one each, --spread runs shares them')
     build = '' if torch.version.cuda else ' (this torch is a CPU-only build)'
-    raise UserError(f"--device {name!r}: not a device torch trains on here (it sees {gpus or 'no'} "
-                    f"CUDA GPU(s){build}, {'' if mps else 'no '}MPS; torchrun's ranks take cuda or "
-                    'cpu): choose auto, cuda, cuda:N, mps or cpu')
+    raise UserError(f"--device {given!r}: not a device torch trains on here (it sees "
+                    f"{gpus or 'no'} CUDA GPU(s){build}, {'' if mps else 'no '}MPS; torchrun's "
+                    'ranks take cuda or cpu): choose auto, cuda, cuda:N, mps or cpu')
 
 
 def pick_dtype(name, device):
@@ -733,12 +733,15 @@ def compiled_warm_up(data, hyp, device, dtype, compiled, log, rank=0, world=1):
         images = normalise(data['train_images'][:hyp['whitening_images']], device, torch.float32)
         x = normalise(data['train_images'][:batch], device, dtype)
         y = torch.from_numpy(data['train_labels'][:batch]).to(device)
-        try:  # no collective (no_sync): no process waits for another
+        alone = contextlib.nullcontext()
+        if world > 1:
+            alone = networks.parallel.no_sync()  # no collective: no process waits for another
+        try:
             networks.reinitialise(whitening_filters(images, hyp['whitening_eps']), seed=0)
-            with networks.parallel.no_sync() if world > 1 else contextlib.nullcontext():
+            with alone:
                 failure = compiled_step_disagreement(
                     networks, x.contiguous(memory_format=networks.memory_format), y, hyp)
-            if not failure:  # a full test batch and the last
+            if not failure:  # the flip-TTA pass at both its shapes: a full test batch, the last
                 evaluate(networks, *test_set(data, networks, hyp, last_batches=2), hyp)
         except Exception as error:
             failure = compile_failure_line(error)
@@ -757,7 +760,7 @@ def compiled_warm_up(data, hyp, device, dtype, compiled, log, rank=0, world=1):
         else:
             log(f'torch.compile ({compiled}): {time.perf_counter() - start:.1f} s, its step '
                 "checked against eager, before the warm-up, outside every run's time")
-    for _ in range(1 + (device.type != 'cpu')):  # a GPU's first: cuDNN's search, graphs' capture
+    for _ in range(1 if device.type == 'cpu' else 2):  # a GPU's first: cuDNN's search, capture
         train_run(data, networks, {**hyp, 'epochs': 1}, 0, lambda row: None, steps_per_epoch=2,
                   test_batches=2)
     return networks, compiled
@@ -799,7 +802,7 @@ def compiled_step_disagreement(networks, x, y, hyp):
 
 
 def compile_failure_line(error):
-    """Why a compilation failed, in one line; errors that eager would meet too raise."""
+    """Why a compilation failed, in one line; raises what eager would meet too (memory, ranks)."""
     chain, inner = [], error  # error, then what it wraps: inductor's inner_exception, or a cause
     while inner is not None:
         chain.append(inner)
@@ -821,7 +824,7 @@ def torchrun_ranks():
 def join_process_group(device, split_batches=True):
     """Join the ranks torchrun started: NCCL between GPUs that split batches, else gloo (CPUs, and
     ranks of whole runs, which gather them, waiting for a round's slowest run: for up to 7 days)."""
-    import torch.distributed.nn  # noqa: F401  now, not later: see leave_process_group
+    import torch.distributed.nn  # noqa: F401  now: imported later by DDP, it would keep the group
     nccl = device.type == 'cuda' and split_batches
     if device.type == 'cuda':
         torch.cuda.set_device(device)
@@ -840,10 +843,10 @@ def data_parallel(networks):
     (forward_sync_buffers, before torch 2.13 broadcast_buffers): train_epoch averages them."""
     if networks.world > 1:
         options = inspect.signature(nn.parallel.DistributedDataParallel).parameters
-        no_sync = next(o for o in ('forward_sync_buffers', 'broadcast_buffers') if o in options)
+        buffer_sync = next(o for o in ('forward_sync_buffers', 'broadcast_buffers') if o in options)
         device_ids = [networks.device] if networks.device.type == 'cuda' else None
         networks.parallel = nn.parallel.DistributedDataParallel(
-            networks.network, device_ids=device_ids, **{no_sync: False})
+            networks.network, device_ids=device_ids, **{buffer_sync: False})
     return networks
 
 
@@ -868,7 +871,7 @@ def run_table_lines(run, runs_requested, source=''):
     return lines
 
 
-def evaluated(hyp):
+def evaluation_label(hyp):
     """What valid accuracy is of, in the output's words: 'flip-TTA, EMA' in the recipe."""
     return (f"{'flip-TTA' if hyp['flip_tta'] else 'no TTA'}, "
             f"{'EMA' if hyp['ema_momentum'] else 'no EMA: the trained weights'}")
@@ -895,7 +898,7 @@ def header_lines(job, world=1, spread=False):
              f"data: {job['data']} (files' digest {job['data_digest']})",
              f"model FLOPs: {tflop['step']} a training step x {flops['steps']} steps + "
              f"{tflop['whitening']} whitening = {tflop['run']} a run{peak}",
-             f'valid = accuracy ({evaluated(hyp)}); total time = preprocessing + training '
+             f'valid = accuracy ({evaluation_label(hyp)}); total time = preprocessing + training '
              '(DAWNBench rule: validation excluded, after a warm-up)']
     off = [trick for trick, (_, name, value) in TRICKS_OFF.items() if hyp[name] == value]
     if off:
@@ -911,7 +914,7 @@ def summarize(runs, count_94=True, flops=None, peak=None, world=1, hyp=HYP):
         return summary
     acc, times = (np.array([r[key] for r in finished]) for key in ('accuracy', 'time_s'))
     summary.update(acc_mean=acc.mean(), acc_min=acc.min(), acc_median=float(np.median(acc)),
-                   acc_max=acc.max(), time_mean_s=times.mean(), evaluated=evaluated(hyp),
+                   acc_max=acc.max(), time_mean_s=times.mean(), evaluated=evaluation_label(hyp),
                    time_median_s=float(np.median(times)), time_max_s=times.max())
     plain = [r['rows'][-1].get('plain_acc') for r in finished]  # TTA's first view alone
     if hyp['flip_tta'] and None not in plain:
@@ -1164,10 +1167,10 @@ def read_job(path, option):
         raise UserError(f'{option} {path}: no such file') from None
     except (OSError, ValueError):  # a folder; UnicodeDecodeError and JSONDecodeError
         job = None
-    sha256 = None
-    if isinstance(job, dict):
-        sha256 = job.pop('sha256', None)  # the content's, as written
-    if sha256 != job_sha256(job) or job.get('format') != JOB_FORMAT:  # one check for all
+    if not isinstance(job, dict):
+        job = {}  # no job: refused below
+    sha256 = job.pop('sha256', None)  # the content's, as written: one check for all the rest
+    if sha256 != job_sha256(job) or job.get('format') != JOB_FORMAT:
         raise UserError(f'{option} {path} is not a job file as this version of train_cifar10.py '
                         "wrote it (another file, an older version's, cut short, or changed since "
                         'by hand or damage); left as it is')
@@ -1197,7 +1200,7 @@ def compare_lines(paths, plot=None):
         if differences:
             raise UserError(f"--compare: {paths[0]} and {path} tested on different data, "
                             f"{', '.join(differences)}: their accuracies are not comparable")
-        if any(run in other['runs'] for other in jobs[:i] for run in job['runs']):  # NaN: null
+        if any(run in other['runs'] for other in jobs[:i] for run in job['runs']):  # NaN read: null
             raise UserError(f'--compare: {path} holds runs of a job before it (one job twice, or '
                             'a copy of it?): a side must be a job of its own')
         runs = job['runs']
@@ -1212,7 +1215,7 @@ def compare_lines(paths, plot=None):
             notes.append(f"unfinished: {len(runs)} of {job['runs_requested']} runs")
         notes = f" ({'; '.join(notes)})" if notes else ''
         spread = f'standard deviation {100 * acc.std(ddof=1):.2f} %' if len(acc) > 1 else 'one run'
-        of = evaluated({**HYP, **job['hyperparameters']})  # HYP: what an older job lacks
+        of = evaluation_label({**HYP, **job['hyperparameters']})  # HYP: what an older job lacks
         lines.append(f"{side}  {path}: {len(acc)} run{'s' * (len(acc) > 1)}{notes}, final "
                      f'accuracy ({of}) mean {100 * acc.mean():.2f} %, {spread}')
     means = [epoch_means(job['runs']) for job in jobs]  # the course of training, side by side
@@ -1258,8 +1261,7 @@ def compare_lines(paths, plot=None):
 TINY = dict(epochs=4, batch_size=64, train_images=3000, test_images=500, channels=(8, 16, 32, 64),
             ema_momentum=0.9, whitening_images=3000, eval_batch_size=250)
 HYP_OPTIONS = ('epochs', 'batch_size')  # their options' None keeps HYP's (TINY's) value
-# What a run of the method needs of each number in HYP (each of a tuple's): finite, at least 0 (1
-# where AT_LEAST_1), above 0 where ABOVE_0, below 1 where BELOW_1, at most AT_MOST's.
+# What a run of the method needs of each number in HYP (out_of_range): finite, not negative, and:
 AT_LEAST_1 = ('epochs', 'batch_size', 'ema_every', 'channels', 'whitening_images',
               'augment_options', 'eval_batch_size', 'train_images', 'test_images')
 ABOVE_0 = ('lr_peak', 'bias_lr_scale', 'logit_scale', 'whitening_eps')
@@ -1306,7 +1308,8 @@ def hyp_setting(text):
             return name, parsed
     if name not in HYP:
         why = 'no such hyperparameter'
-        close = difflib.get_close_matches(name.lower(), HYP, 1) or [k for k in HYP if name in k]
+        typo = difflib.get_close_matches(name.lower(), HYP, 1)
+        close = typo or [k for k in HYP if k.startswith(f'{name}_')]  # ema: ema_momentum
         if close:
             why += f' (did you mean {close[0]}?)'
     elif not equals:  # --set label_smoothing 0.1
@@ -1420,8 +1423,8 @@ def output_problem(flag, path, paths, resumed_save=None):
         try:  # a figure with text, in the format of path's extension: .pgf needs TeX installed
             Figure().text(0, 0, 'x').figure.savefig(io.BytesIO(), format=Path(path).suffix[1:])
         except Exception as e:  # ValueError: no such format; RuntimeError: no xelatex; ...
-            return 'matplotlib cannot write it here: ' + str(e).split('\n')[0]  # TeX's run to pages
-    elif flag != '--resume' and path != resumed_save and os.path.exists(path):  # hours of runs
+            return 'matplotlib cannot write it here: ' + str(e).split('\n')[0]  # TeX's: pages
+    elif flag != '--resume' and path != resumed_save and os.path.exists(path):  # perhaps a job's
         instead = '--resume it if it holds this job' if flag == '--json' else 'delete it'
         return f'exists, and a new job overwrites no file: give another path, or {instead}'
 
@@ -1442,7 +1445,7 @@ class Job:
         self.log = print if self.rank == 0 else lambda *args, **kwargs: None  # rank 0 alone
         self.path = args.resume or args.json  # the job file: a resumed job goes on writing its own
         self.runs, self.read_back = [], 0  # the finished runs in order, and those read back
-        self.networks = None
+        self.networks = self.started = None  # what train() makes: the networks, its clock's start
 
     def set_up(self):
         """All that can be refused, before any training (options, files, device, data), then the
@@ -1455,8 +1458,8 @@ class Job:
         if twice:
             raise UserError(f"{', '.join(twice)}: given two values (an option and --set, or twice)")
         own_set = [text for text in own.get('set', []) if text.partition('=')[0] not in names]
-        given_here = {name: None for name in HYP_OPTIONS if name in names}  # perhaps by --set
-        self.args = args = parse_args(self.argv, {**own, **given_here, 'set': own_set})
+        overridden = {name: None for name in HYP_OPTIONS if name in names}  # here, maybe by --set
+        self.args = args = parse_args(self.argv, {**own, **overridden, 'set': own_set})
         given = dict(hyp_given(args))
         self.hyp = hyp = {**HYP, **(TINY if args.tiny else {}), **given}
         self.spread = args.spread == 'runs' and self.world > 1  # a rank trains whole runs
@@ -1525,8 +1528,7 @@ class Job:
             raise UserError(f"--resume {self.path} holds runs up to {job['runs'][-1]['run']}, more "
                             f"than --runs {self.args.runs}: that job asked for --runs "
                             f"{job['runs_requested']}")
-        self.runs = job['runs']
-        self.read_back = len(job['runs'])
+        self.runs, self.read_back = job['runs'], len(job['runs'])
         if self.rank == 0 and job['runs_requested'] != self.args.runs:
             self.write()
 
@@ -1541,12 +1543,11 @@ class Job:
             log('\n'.join(run_table_lines(run, args.runs, f', read back from {args.resume}')))
         missing = sorted(set(range(1, args.runs + 1)) - {run['run'] for run in self.runs})
         if missing:
-            log(f"\n{'compilation, then ' if self.compiled else ''}warm-up: an untimed run of 2 "
-                'steps and 2 evaluation batches takes the one-off costs', flush=True)
-            split_rank = 0 if self.spread else self.rank  # its place among batch_ranks
+            log(f"\n{'compilation, then ' if self.compiled else ''}warm-up: untimed runs of 2 "
+                'steps and 2 evaluation batches (one on a CPU) take the one-off costs', flush=True)
             self.networks, self.compiled = compiled_warm_up(
-                self.data, self.hyp, self.device, self.dtype, self.compiled, log, split_rank,
-                self.batch_ranks)
+                self.data, self.hyp, self.device, self.dtype, self.compiled, log,
+                0 if self.spread else self.rank, self.batch_ranks)  # this rank of those in a batch
         self.started = self.kept_at = time.perf_counter()
         round_size = self.world if self.spread else 1  # spread: a run a rank at a time
         mine = self.rank if self.spread else 0  # this rank's run of a round
@@ -1588,10 +1589,9 @@ class Job:
             return
         self.runs = sorted(self.runs + records, key=lambda run: run['run'])
         self.kept_at = time.perf_counter()
-        if self.rank != 0:
-            return
-        self.write(saved)
-        if self.spread:
+        if self.rank == 0:
+            self.write(saved)
+        if self.spread:  # its table, whole, from rank 0
             for run in records:
                 self.log('\n'.join(run_table_lines(run, self.args.runs)), flush=True)
 
@@ -1613,7 +1613,7 @@ class Job:
                                   mean=CIFAR10_MEAN, std=CIFAR10_STD, run=saved['run'],
                                   seed=saved['seed'], accuracy=saved['accuracy'])
                 memory = io.BytesIO()
-                torch.save(checkpoint, memory)  # into memory: on a full disk it fails oddly
+                torch.save(checkpoint, memory)  # then written whole, or not at all
                 write_atomically(args.save, memory.getvalue(), '--save')
         except UserError as e:
             then = 'run the same command again'
@@ -1649,7 +1649,7 @@ class Job:
             self.log(f'\ninterrupted{finished}{then}')
         if self.runs:
             self.log('\n' + '\n'.join(summary_lines(self.summary())))
-        if self.args.plot and self.rank == 0 and (self.runs or hasattr(self, 'started')):
+        if self.args.plot and self.rank == 0 and (self.runs or self.started is not None):
             job = dict(self.context, options=vars(self.args), runs=self.runs)
             try:
                 plot_jobs(self.args.plot, [job])
@@ -1670,8 +1670,8 @@ def main(argv=None):
     job = Job(args, argv)
     status = 0
     try:
-        if args.compare:  # trains nothing: print the comparison of two jobs
-            check_options(args, HYP, 1)  # --plot's file
+        if args.compare:  # trains nothing: print the comparison of the jobs
+            check_options(args, HYP, 1)  # the paths: --plot's, and the jobs not to draw over
             print('\n'.join(compare_lines(args.compare, args.plot)))
             return 0
         job.set_up()
@@ -1684,7 +1684,7 @@ def main(argv=None):
         status = 130
     finally:
         status = job.end(status)
-    unfinished = len(job.runs) < args.runs or any(run['failed'] for run in job.runs)
+    unfinished = len(job.runs) < job.args.runs or any(run['failed'] for run in job.runs)
     return status or int(unfinished)
 
 
