@@ -354,8 +354,8 @@ class Nesterov:
 def optimiser(model, hyp):
     """Page's two groups: the batch-norm biases (bias_lr_scale) and every other trainable weight.
     What a run asks of it, and of another optimiser put here: reset() once a run's weights are
-    drawn (zero its state, read the weights); step(lr) after each backward of the summed loss, lr
-    the schedule's; masters, {weight: the tensor it updates}, which the EMA averages ({}: each)."""
+    drawn (zero its state, read the weights); step(lr) after each backward of the summed loss;
+    masters, {weight: its fp32 copy}, which the EMA averages ({} for one that keeps none)."""
     norm_biases = {id(m.bias) for m in model.modules() if isinstance(m, nn.BatchNorm2d)}
     trainable = [p for p in model.parameters() if p.requires_grad]
     biases = [p for p in trainable if id(p) in norm_biases]
@@ -394,7 +394,7 @@ class Networks:
     """Built once for every run: the network trained, its EMA (fp32), the EMA's weights in the
     network's precision (evaluated), the optimiser, the loss and flip-TTA functions (compiled:
     torch.compile's mode, channels_last but on MPS, fixed shapes; False: eager, NCHW). rank, world:
-    this process's place among those that split each batch (torchrun). reinitialise(): a run."""
+    this process's place among those that split each batch (torchrun). A run: reinitialise()."""
 
     def __init__(self, hyp, device, dtype, compiled, rank=0, world=1):
         self.hyp, self.device, self.dtype = hyp, device, dtype
@@ -441,7 +441,7 @@ def average_over_ranks(tensors, world):
 
 def train_epoch(networks, images, labels, epoch, steps, hyp):
     """One pass over the batches: the summed loss and correct count (device tensors: nothing waits
-    for them), the last lr. The EMA updates after batches 0, 5, 10, ... as Page's (none: copies)."""
+    for them), the last lr. The EMA updates after batches 0, 5, 10, ... (off: after the last)."""
     batch = hyp['batch_size'] // networks.world  # this process's images of a step
     ema_steps = range(0, steps, hyp['ema_every']) if hyp['ema_momentum'] else [steps - 1]
     ema_momentum = hyp['ema_momentum'] ** hyp['ema_every']  # a step's, applied every ema_every
