@@ -92,7 +92,7 @@ def draw_augmentation(n, hyp, generator):
 
 def crop(padded, top, left, size):
     """Image i's size x size window at (top[i], left[i]), i.e. padded[i, :, top:top + size,
-    left:left + size] for each i, but cut a slice an offset (81 for a pad of 4), not an image."""
+    left:left + size] for each i, but cut one slice for each offset (81 for a pad of 4)."""
     width = padded.shape[3]
     offsets = top * width + left  # each image's, as one number
     order = torch.argsort(offsets, stable=True)  # the images grouped by offset
@@ -227,7 +227,7 @@ class GhostBatchNorm(nn.BatchNorm2d):
 
 def conv_bn(c_in, c_out, hyp, pool=False, conv=None):
     """3x3 conv (or conv; no bias: batch norm follows), optional 2x2 max-pool, ghost batch norm,
-    CELU. Page pools before batch norm, a quarter of its work (0.1 % less, won back by an epoch).
+    CELU. Page pools before batch norm, a quarter of its work (it cost 0.1 %, won back by an epoch).
     CELU is smooth where ReLU bends at 0: easier to optimise (Page 8: 94.1 -> 94.3 %)."""
     conv = nn.Conv2d(c_in, c_out, 3, padding=1, bias=False) if conv is None else conv
     return nn.Sequential(conv, *([nn.MaxPool2d(2)] if pool else []),
@@ -253,7 +253,7 @@ class ResNet9(nn.Module):
     def __init__(self, whitening, hyp):
         super().__init__()
         prep, c1, c2, c3 = hyp['channels']
-        learned = hyp['whitening'] == 'learned'  # 'none': conv_bn's own conv, Page's before it
+        learned = hyp['whitening'] == 'learned'  # 'none': a plain 3x3 conv, Page's before it
         first = None if hyp['whitening'] == 'none' else WhitenedPrep(whitening, prep, learned)
         self.prep = conv_bn(3, prep, hyp, conv=first)
         self.layer1 = nn.Sequential(conv_bn(prep, c1, hyp, pool=True), Residual(c1, hyp))
@@ -283,8 +283,8 @@ def to_training_precision(model, dtype, device='cpu', layout=torch.contiguous_fo
       fp32   batch norm: it divides by a variance of small differences
       fp32   the whitened prep conv: its 1x1 gradient would lose 2 % in fp16, 30 % in bf16
       fp32   the loss (summed_loss, evaluate): a log of a sum of exponentials
-      fp32   the EMA's average, bf16's weights (the optimiser's copies): their steps are below
-             half a unit in the last place of fp16 and bf16 (ema_update, Nesterov)
+      fp32   the EMA's average; bf16's weights as the optimiser's copies (a decay step, 5e-4 of a
+             weight, is below half a unit of bf16's last place; fp16's, as Page's, in place)
     The harness turns TF32 off: fp32 is fp32 on every GPU, whatever its generation."""
     model.to(device, dtype, memory_format=layout)
     for module in model.modules():
@@ -393,7 +393,7 @@ def summed_loss(model, images, labels, label_smoothing):
 class Networks:
     """Built once for every run: the network trained, its EMA (fp32), the EMA's weights in the
     network's precision (evaluated), the optimiser, the loss and flip-TTA functions (compiled:
-    torch.compile's mode, channels_last but on MPS, fixed shapes; False: eager, NCHW). rank, world:
+    torch.compile's mode, channels_last except on MPS; False: eager, NCHW). rank, world:
     this process's place among those that split each batch (torchrun). A run: reinitialise()."""
 
     def __init__(self, hyp, device, dtype, compiled, rank=0, world=1):
@@ -556,7 +556,7 @@ TRICKS_OFF = {  # each of Page's tricks: what runs instead when it is off, the s
     'label smoothing': ('one-hot targets', 'label_smoothing', 0),
     'CELU': ('ReLU', 'celu_alpha', 0),
     'ghost batch norm': ('batch norm over the whole batch', 'bn_split_size', 0),
-    'frozen scales': ('learned batch-norm scales', 'bn_scale_frozen', False),
+    'frozen scales': ('learned batch-norm scales (alpha, x64 kept)', 'bn_scale_frozen', False),
     'whitening': ('a learned 3x3 conv', 'whitening', 'none'),
     'EMA': ('the last weights', 'ema_momentum', 0),
     'flip-TTA': ('each test image alone', 'flip_tta', False)}
@@ -585,7 +585,7 @@ def ensure_cifar10(data_dir, url=CIFAR10_URL, md5=CIFAR10_MD5):
         return data_dir
     if data_dir.is_file():
         raise UserError(f'--data-dir {data_dir} is a file, not a folder')
-    existed = data_dir.exists()
+    made = [f for f in [data_dir.resolve(), *data_dir.resolve().parents] if not f.exists()]
     archive = data_dir / CIFAR10_URL.rsplit('/', 1)[-1]  # the official name, from any mirror
     partial = archive.with_name(f'.{archive.name}.{platform.node()}.part')
     failed, advice = 'cannot make it', ''
@@ -613,12 +613,15 @@ def ensure_cifar10(data_dir, url=CIFAR10_URL, md5=CIFAR10_MD5):
     except (OSError, ValueError, EOFError, tarfile.TarError, http.client.HTTPException) as e:
         if not (data_dir / BATCHES_DIR).is_dir():  # else another job put it there first, whole
             why = getattr(e, 'reason', e)  # a URLError's or HTTPError's reason
-            hint = '' if existed else ' (is that path right?)'  # likelier than a network fault
+            hint = ' (is that path right?)' if made else ''  # likelier than a network fault
             raise UserError(f'no CIFAR-10 in --data-dir {data_dir}{hint}; {failed} ({why}){advice}'
                             ) from None
     finally:
         with contextlib.suppress(OSError):  # NotADirectoryError where a file is in the path
             partial.unlink(missing_ok=True)
+        for folder in made:  # the folders it made, deepest first; one that holds anything stays
+            with contextlib.suppress(OSError):
+                folder.rmdir()
     return data_dir / BATCHES_DIR
 
 
@@ -701,8 +704,7 @@ def pick_device(name, local_rank=None, share=False):
 
 
 def pick_dtype(name, device):
-    """The training dtype: fp16 on CUDA, else fp32, unless named (bf16 where a GPU lacks it, as on a
-    T4 or V100, is emulated: slow but right)."""
+    """The training dtype: fp16 on CUDA, else fp32, unless named (CPU fp16 is emulated: slow)."""
     if name == 'auto':
         name = 'fp16' if device.type == 'cuda' else 'fp32'
     return dict(fp16=torch.float16, bf16=torch.bfloat16, fp32=torch.float32)[name]
@@ -723,9 +725,8 @@ def compiles(args, device, batch_ranks=1):
 
 # ==== Compilation: compiled before the warm-up, checked against eager, eager if it fails =======
 def compiled_warm_up(data, hyp, device, dtype, compiled, log, rank=0, world=1):
-    """Build the networks (rank, world: as Networks takes them), compile them if asked, warm them
-    up; returns them and whether they are compiled. If compilation fails on one of the processes
-    that split each batch, they all train eager (else their collectives would hang)."""
+    """Build the networks (rank, world: as Networks takes them), compile if asked, warm them up;
+    returns them, whether compiled. If one process that splits batches fails to, all train eager."""
     networks = data_parallel(Networks(hyp, device, dtype, compiled, rank, world))
     if compiled:  # the training step at a run's shapes and first weights, then the flip-TTA pass
         start = time.perf_counter()
@@ -822,8 +823,7 @@ def torchrun_ranks():
 
 
 def join_process_group(device, split_batches=True):
-    """Join the ranks torchrun started: NCCL between GPUs that split batches, else gloo (CPUs, and
-    ranks of whole runs, which gather them, waiting for a round's slowest run: for up to 7 days)."""
+    """Join torchrun's ranks: NCCL for GPUs that split batches, else gloo (waiting up to 7 days)."""
     import torch.distributed.nn  # noqa: F401  now: imported later by DDP, it would keep the group
     nccl = device.type == 'cuda' and split_batches
     if device.type == 'cuda':
@@ -1072,8 +1072,7 @@ def count_flops(hyp, n_train):
                 run=steps * step_flops + whitening_flops)
 
 
-# Datasheets' dense fp16/bf16 tensor-core peaks, TFLOP/s, fp32 sums (A10G: AWS's A10), by
-# torch.cuda.get_device_name(); a GPU not listed (H100 NVL, a MIG slice) needs --peak-tflops.
+# Datasheets' dense fp16/bf16 tensor-core peaks, TFLOP/s, by name; others need --peak-tflops.
 PEAK_TFLOPS = {
     'NVIDIA H100 80GB HBM3': 989, 'NVIDIA H100 PCIe': 756, 'NVIDIA H200': 989,
     **dict.fromkeys(('NVIDIA A100-SXM4-40GB', 'NVIDIA A100-SXM4-80GB', 'NVIDIA A100-PCIE-40GB',
@@ -1333,7 +1332,8 @@ def parse_args(argv, defaults=None):
                                      epilog=f'examples:\n{doc[1]}\n\nREADME.md says more.')
     parser.error = lambda why: parser.exit(2, f'error: {why}; --help lists the options\n')
     add = parser.add_argument
-    add('--epochs', type=int, help=f"(default: {HYP['epochs']}, --tiny {TINY['epochs']})")
+    add('--epochs', type=int,
+        help=f"training epochs (default: {HYP['epochs']}, --tiny {TINY['epochs']})")
     add('--runs', type=int, default=1, help='runs, with seeds seed, seed+1, ... (default: 1)')
     add('--batch-size', type=int, help=f"a multiple of {HYP['bn_split_size']} "
         f"(default: {HYP['batch_size']}, --tiny {TINY['batch_size']})")
@@ -1360,7 +1360,7 @@ def parse_args(argv, defaults=None):
         'one GPU; off on mps and for --tiny): a minute or less, once, before the first run')
     add('--spread', choices=['batches', 'runs'], default='batches',
         help='torchrun: split each batch over the ranks, or give each rank whole runs')
-    add('--peak-tflops', type=float, metavar='TFLOPS', help="the device's peak, for the MFU")
+    add('--peak-tflops', type=float, metavar='TFLOPS', help='the peak, for model-FLOP utilisation')
     parser.set_defaults(**(defaults or {}))
     return parser.parse_args(argv)
 
