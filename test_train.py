@@ -1696,6 +1696,24 @@ def test_ctrl_c_at_any_stage_ends_cleanly(dataset, tmp_path, monkeypatch, capsys
         assert out.endswith('interrupted; no run was finished: run the same command again\n')   # no --resume yet
 
 
+def test_ctrl_c_while_a_run_is_kept_reports_the_runs_its_file_holds(dataset, tmp_path, monkeypatch, capsys):
+    """Ctrl-C after run 2 has joined the job's runs but before its file is rewritten: the summary is of
+    the runs on disk, which --resume reads back, not of a run the file lacks."""
+    write, calls = T.Job.write, []
+
+    def interrupted_write(self, saved=None):
+        calls.append(saved)
+        if len(calls) == 2:
+            raise KeyboardInterrupt                               # as a Ctrl-C there would
+        write(self, saved)
+    monkeypatch.setattr(T.Job, 'write', interrupted_write)
+    path = tmp_path / 'r.json'
+    assert T.main([*SMALL_RUN, '--runs', '3', '--data-dir', str(dataset), '--json', str(path)]) == 130
+    out = capsys.readouterr().out
+    assert 'interrupted: summary of the 1 finished run(s)' in out and 'runs: 1 finished' in out
+    assert T.read_job(path, '--json')['runs_finished'] == 1
+
+
 def test_ctrl_c_during_a_download_leaves_no_part(tmp_path, monkeypatch, capsys):
     class Response:                                               # 1 kB arrives, then Ctrl-C
         headers = {'Content-Length': '2000000'}

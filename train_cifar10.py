@@ -1640,12 +1640,11 @@ class Job:
         self.networks = None  # its DDP model holds the process group
         leave_process_group()
         if status == 130:
-            finished = f': summary of the {len(self.runs)} finished run(s)' if self.runs else ''
-            then = ''
-            if self.path and Path(self.path).exists():
+            then = '; no run was finished: run the same command again' if self.path else ''
+            if self.path and Path(self.path).exists():  # its runs as kept: Ctrl-C may cut keep()
+                self.runs = read_job(self.path, '--json')['runs']
                 then = f'; --resume {self.path} goes on'
-            elif self.path:
-                then = '; no run was finished: run the same command again'
+            finished = f': summary of the {len(self.runs)} finished run(s)' if self.runs else ''
             self.log(f'\ninterrupted{finished}{then}')
         if self.runs:
             self.log('\n' + '\n'.join(summary_lines(self.summary())))
