@@ -1696,6 +1696,25 @@ def test_ctrl_c_at_any_stage_ends_cleanly(dataset, tmp_path, monkeypatch, capsys
         assert out.endswith('interrupted; no run was finished: run the same command again\n')   # no --resume yet
 
 
+def test_ctrl_c_as_a_finished_job_ends_changes_nothing(finished_job, tmp_path, monkeypatch, capsys):
+    """Ctrl-C after the last run, while the process group is left (seconds under NCCL): the summary
+    and status 0, no traceback, the file as it was."""
+    (source, text), options = copy_of(finished_job[0], tmp_path), finished_job[1]
+    no_training(monkeypatch)
+    leave = T.leave_process_group
+
+    def interrupted_leave():
+        signal.raise_signal(signal.SIGINT)                        # returns once its handler has run
+        leave()
+    monkeypatch.setattr(T, 'leave_process_group', interrupted_leave)
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)   # ignored in a shell's `&` job
+    try:
+        assert T.main([*options, '--runs', '2', '--resume', str(source)]) == 0
+    finally:
+        signal.signal(signal.SIGINT, before)
+    assert 'runs: 2 finished' in capsys.readouterr().out and source.read_bytes() == text
+
+
 def test_ctrl_c_while_a_run_is_kept_reports_the_runs_its_file_holds(dataset, tmp_path, monkeypatch, capsys):
     """Ctrl-C after run 2 has joined the job's runs but before its file is rewritten: the summary is of
     the runs on disk, which --resume reads back, not of a run the file lacks."""

@@ -548,7 +548,7 @@ def train_run(data, networks, hyp, seed, on_epoch, steps_per_epoch=None, test_ba
 # #############################################################################################
 
 import argparse, codecs, contextlib, datetime, difflib, hashlib, http.client, inspect, io, json
-import os, pickle, platform, shutil, signal, sys, tarfile, tempfile, textwrap
+import os, pickle, platform, shutil, signal, sys, tarfile, tempfile, textwrap, threading
 import urllib.request, warnings
 from pathlib import Path
 
@@ -749,13 +749,10 @@ def compiled_warm_up(data, hyp, device, dtype, compiled, log, rank=0, world=1):
         failures = torch.tensor(float(failure is not None), device=device)
         if world > 1:
             dist.all_reduce(failures)
-        if failures.item():
+        if failures.item():  # each rank says why it trains eager
             torchrun_rank, _, torchrun_world = torchrun_ranks()
-            if failure or torchrun_rank == 0:  # every rank that failed says why, rank 0 for all
-                failure = failure or 'torch.compile failed on another rank: every rank trains eager'
-                if torchrun_world > 1:
-                    failure = f'rank {torchrun_rank}: {failure}'
-                print(failure, flush=True)
+            why = failure or 'torch.compile failed on another rank: every rank trains eager'
+            print(f'rank {torchrun_rank}: {why}' if torchrun_world > 1 else why, flush=True)
             networks = data_parallel(Networks(hyp, device, dtype, False, rank, world))
             compiled = False
         else:
@@ -1066,8 +1063,7 @@ def count_flops(hyp, n_train):
             if hyp['whitening'] != 'none':  # a network without it does not compute it
                 patch_moment(torch.zeros(min(hyp['whitening_images'], n_train), 3, 32, 32))
     steps = hyp['epochs'] * (n_train // n)
-    step_flops = step.get_total_flops()
-    whitening_flops = whitening.get_total_flops()
+    step_flops, whitening_flops = step.get_total_flops(), whitening.get_total_flops()
     return dict(step=step_flops, steps=steps, whitening=whitening_flops,
                 run=steps * step_flops + whitening_flops)
 
@@ -1244,10 +1240,8 @@ def compare_lines(paths, plot=None):
             lines.append(f"{side} is {'higher' if w['diff'] > 0 else 'lower'} than A at the 5 % "
                          'level')
         smallest = 100 * w['se'] * (t_quantile(0.975, w['df']) + t_quantile(0.8, w['df']))
-        caveat = ''
-        if few < 5:
-            caveat = ('; with fewer than 5 runs a side, the test rests on normally distributed '
-                      'accuracies, which so few cannot show')
+        caveat = ('; with fewer than 5 runs a side, the test rests on normally distributed '
+                  'accuracies, which so few cannot show') if few < 5 else ''
         lines.append(f'these runs would find a true difference of {smallest:.3f} points or more '
                      f'80 % of the time at the 5 % level{caveat}')
     if plot:  # --plot: the jobs, each in a colour, each against the first
@@ -1287,9 +1281,7 @@ def out_of_range(name, value):
 
 def as_typed(value):
     """A hyperparameter's value as --set takes it: a tuple as 64,128,256,512."""
-    if isinstance(value, tuple):
-        return ','.join(map(str, value))
-    return str(value)
+    return ','.join(map(str, value)) if isinstance(value, tuple) else str(value)
 
 
 def hyp_setting(text):
@@ -1553,9 +1545,7 @@ class Job:
         mine = self.rank if self.spread else 0  # this rank's run of a round
         for first in range(0, len(missing), round_size):
             runs = missing[first:first + round_size]
-            record = None
-            if mine < len(runs):
-                record = self.train_one(runs[mine])
+            record = self.train_one(runs[mine]) if mine < len(runs) else None  # spread: maybe none
             self.keep([record] if record else [], saved=record)
             run_s = (self.kept_at - self.started) / (first // round_size + 1)
             rounds_left = len(missing[first + round_size::round_size])
@@ -1564,7 +1554,10 @@ class Job:
                 log(f'\na run takes about {run_s / 60:.1f} min: the job should end about {end}')
             if self.spread:  # every rank's run of the round, to every rank
                 records = [None] * self.world
-                dist.all_gather_object(records, record)
+                try:
+                    dist.all_gather_object(records, record)
+                except RuntimeError:  # gloo's "Connection closed by peer": another rank stopped
+                    raise KeyboardInterrupt from None  # so this one stops as at Ctrl-C
                 self.keep([r for r in records if r])
 
     def train_one(self, run):
@@ -1635,27 +1628,35 @@ class Job:
         return summary
 
     def end(self, status):
-        """Leave the group, say what a stopped job left, the summary, and draw --plot. Returns the
-        status, 1 if the picture cannot be written."""
-        self.networks = None  # its DDP model holds the process group
-        leave_process_group()
-        if status == 130:
-            then = '; no run was finished: run the same command again' if self.path else ''
-            if self.path and Path(self.path).exists():  # its runs as kept: Ctrl-C may cut keep()
-                self.runs = read_job(self.path, '--json')['runs']
-                then = f'; --resume {self.path} goes on'
-            finished = f': summary of the {len(self.runs)} finished run(s)' if self.runs else ''
-            self.log(f'\ninterrupted{finished}{then}')
-        if self.runs:
-            self.log('\n' + '\n'.join(summary_lines(self.summary())))
-        if self.args.plot and self.rank == 0 and (self.runs or self.started is not None):
-            job = dict(self.context, options=vars(self.args), runs=self.runs)
-            try:
-                plot_jobs(self.args.plot, [job])
-            except UserError as e:
-                print(f'error: {e}', file=sys.stderr)
-                return status or 1
-        return status
+        """Leave the group, say what a stopped job left, the summary, and draw --plot, while Ctrl-C
+        and torchrun's SIGTERM are dropped. Returns the status, 1 if --plot cannot be written."""
+        main_thread = threading.current_thread() is threading.main_thread()  # it sets handlers
+        signals = [signal.SIGINT, signal.SIGTERM] if main_thread else []
+        signals = [s for s in signals if signal.getsignal(s) is not None]  # Python's: restorable
+        before = [signal.signal(s, lambda *args: None) for s in signals]  # pending ones too
+        try:
+            self.networks = None  # its DDP model holds the process group
+            leave_process_group()
+            if status == 130:
+                then = '; no run was finished: run the same command again' if self.path else ''
+                if self.path and Path(self.path).exists():  # as kept: Ctrl-C may have cut keep()
+                    self.runs = read_job(self.path, '--json')['runs']
+                    then = f'; --resume {self.path} goes on'
+                finished = f': summary of the {len(self.runs)} finished run(s)' if self.runs else ''
+                self.log(f'\ninterrupted{finished}{then}')
+            if self.runs:
+                self.log('\n' + '\n'.join(summary_lines(self.summary())))
+            if self.args.plot and self.rank == 0 and (self.runs or self.started is not None):
+                job = dict(self.context, options=vars(self.args), runs=self.runs)
+                try:
+                    plot_jobs(self.args.plot, [job])
+                except UserError as e:
+                    print(f'error: {e}', file=sys.stderr)
+                    return status or 1
+            return status
+        finally:
+            for s, handler in zip(signals, before):
+                signal.signal(s, handler)
 
 
 def main(argv=None):
