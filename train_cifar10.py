@@ -23,15 +23,14 @@ import torch.nn.functional as F
 # ==== Hyperparameters ==========================================================================
 # David Page's final 10-epoch recipe ("How to train your ResNet 8: bag of tricks": "Page 8", where
 # a trick's gain is a mean of 50 runs). The loss is summed over the batch and a step's lr is
-# schedule(epoch) / batch_size: the schedule is the rate applied to the mean gradient, whatever the
-# batch size; weight decay is times batch_size, so that the decay a step (lr x wd) does not change
-# either. --set NAME=VALUE sets any, --tiny a few; --help names each trick's off switch.
+# schedule(epoch) / batch_size, its weight decay times batch_size: the schedule is the rate of the
+# mean gradient, and lr x wd a step's decay, whatever the batch size. --set NAME=VALUE sets any.
 HYP = dict(
     epochs=10,               # Page: 94.1% mean with flip-TTA after 10 epochs (26 s on a V100)
     batch_size=512,          # Page; the last partial batch is dropped: 97 steps per epoch
     lr_peak=1.0,             # schedule: 0 -> lr_peak, linearly, over the first fifth of training
     lr_floor=0.1,            # ... then linearly down to lr_floor, held for the last floor_epochs:
-    floor_epochs=2,          # Page 8: not 0 at the end, so that the EMA averages over a live rate
+    floor_epochs=2,          # Page 8: the rate ends above 0, so the weights the EMA averages move
     momentum=0.9,            # Page: Nesterov momentum
     weight_decay=5e-4,       # Page; times batch_size per step, see above
     bias_lr_scale=64.0,      # Page 8: batch-norm biases take lr x 64 and weight decay / 64
@@ -92,20 +91,13 @@ def draw_augmentation(n, hyp, generator):
 
 def crop(padded, top, left, size):
     """Image i's size x size window at (top[i], left[i]), i.e. padded[i, :, top:top + size,
-    left:left + size] for each i, but cut one slice for each offset (81 for a pad of 4)."""
-    width = padded.shape[3]
-    offsets = top * width + left  # each image's, as one number
-    order = torch.argsort(offsets, stable=True)  # the images grouped by offset
-    groups_offsets, counts = torch.unique_consecutive(offsets[order], return_counts=True)
-    index = order.to(padded.device)
-    groups, start = [], 0
-    for offset, count in zip(groups_offsets.tolist(), counts.tolist()):
-        y, x = divmod(offset, width)
+    left:left + size] for each i (top, left on the CPU), cut as one slice for each offset."""
+    crops = padded.new_empty(len(padded), padded.shape[1], size, size)
+    for y, x in set(zip(top.tolist(), left.tolist())):  # 81 offsets for a pad of 4
+        index = torch.nonzero((top == y) & (left == x)).flatten().to(padded.device)
         window = padded[:, :, y:y + size, x:x + size]
-        groups.append(window.index_select(0, index[start:start + count]))
-        start += count
-    inverse = torch.argsort(order).to(padded.device)
-    return torch.cat(groups).index_select(0, inverse)  # back in image order
+        crops.index_copy_(0, index, window.index_select(0, index))
+    return crops
 
 
 def flip(images, which):
@@ -192,8 +184,8 @@ class GhostBatchNorm(nn.BatchNorm2d):
     """Batch norm over splits of split_size images (0: the whole batch); split k of s holds images
     k, k+s, ... Page 8: ~32 images work best, their noisier statistics regularise (94.1 -> 94.2 %);
     scales frozen at 1, with CELU's alpha and the biases' lr and decay scaled to match: 94.2 %.
-    Eager NCHW, as in Page's code: one batch_norm over a view whose channels are the splits (not on
-    MPS for half input: pytorch#154887); compiled: var_mean and arithmetic the compiler fuses."""
+    In fp32, in any layout: var_mean and arithmetic, which the compiler fuses with their neighbours;
+    the running statistics move towards the mean of the splits' statistics."""
 
     def __init__(self, channels, split_size, frozen_scale=True):
         super().__init__(channels)
@@ -201,26 +193,18 @@ class GhostBatchNorm(nn.BatchNorm2d):
         self.weight.requires_grad_(not frozen_scale)  # Page: a scale of 1; only the bias learns
 
     def forward(self, x):
-        if not self.training:  # the running statistics (which move 0.1 of the way a step), fp32
+        if not self.training:  # the running statistics, in fp32
             return super().forward(x.to(self.running_mean.dtype)).to(x.dtype)
-        (n, c, h, w), size = x.shape, self.split_size or len(x)
+        n, c, h, w = x.shape
+        size = self.split_size or n
         splits = n // size
-        as_channels = not torch.compiler.is_compiling() and x.is_contiguous()  # NCHW, eager
-        if as_channels and (x.device.type != 'mps' or x.dtype == self.running_mean.dtype):
-            stats = torch.zeros(2, splits * c, device=x.device, dtype=self.running_mean.dtype)
-            y = F.batch_norm(x.view(-1, splits * c, h, w), running_mean=stats[0],
-                             running_var=stats[1], weight=self.weight.repeat(splits),
-                             bias=self.bias.repeat(splits), training=True, momentum=1.0,
-                             eps=self.eps)  # momentum 1: the running statistics become the splits'
-            mean, var = stats.view(2, splits, c).mean(1)
-        else:  # the compiler fuses these with their neighbours
-            xs = x.view(-1, splits, c, h, w).to(at_least_fp32(x.dtype))
-            var, mean = torch.var_mean(xs, dim=(0, 3, 4), correction=0, keepdim=True)
-            scale = torch.rsqrt(var + self.eps) * self.weight.view(1, 1, c, 1, 1)
-            y = ((xs - mean) * scale + self.bias.view(1, 1, c, 1, 1)).to(x.dtype)
-            bessel = size * h * w / (size * h * w - 1)  # the unbiased variance, as batch_norm's
+        xs = x.view(-1, splits, c, h, w).to(at_least_fp32(x.dtype))  # split k: xs[:, k]
+        var, mean = torch.var_mean(xs, dim=(0, 3, 4), correction=0, keepdim=True)
+        scale = torch.rsqrt(var + self.eps) * self.weight.view(1, 1, c, 1, 1)
+        y = ((xs - mean) * scale + self.bias.view(1, 1, c, 1, 1)).to(x.dtype)
+        with torch.no_grad():  # the variance kept is the unbiased one, as batch_norm's
+            bessel = size * h * w / (size * h * w - 1)
             mean, var = mean.view(splits, c).mean(0), var.view(splits, c).mean(0) * bessel
-        with torch.no_grad():
             torch._foreach_lerp_([self.running_mean, self.running_var], [mean, var], self.momentum)
         return y.view(n, c, h, w)
 
@@ -281,10 +265,11 @@ def to_training_precision(model, dtype, device='cpu', layout=torch.contiguous_fo
     which precision, in training and evaluation alike (dtype: fp16 on CUDA, fp32 on a CPU):
       dtype  convolutions, pooling, CELU, the head: nearly all the FLOPs, on tensor cores
       fp32   batch norm: it divides by a variance of small differences
-      fp32   the whitened prep conv: its 1x1 gradient would lose 2 % in fp16, 30 % in bf16
+      fp32   the whitened prep conv: in fp16 its 1x1 weights' gradient is off by up to 2 %
+             (30 % in bf16): the whitening's small-eigenvalue directions cancel most of it
       fp32   the loss (summed_loss, evaluate): a log of a sum of exponentials
-      fp32   the EMA's average; bf16's weights as the optimiser's copies (a decay step, 5e-4 of a
-             weight, is below half a unit of bf16's last place; fp16's, as Page's, in place)
+      fp32   the EMA's average, and the optimiser's copies of bf16 weights: bf16 would round a
+             decay step (5e-4 of a weight) away; fp16 weights are updated in place, as Page's
     The harness turns TF32 off: fp32 is fp32 on every GPU, whatever its generation."""
     model.to(device, dtype, memory_format=layout)
     for module in model.modules():
@@ -295,7 +280,7 @@ def to_training_precision(model, dtype, device='cpu', layout=torch.contiguous_fo
     return model
 
 
-# ==== 3. Training: schedule, optimiser, EMA, the networks built once, one epoch ================
+# ==== 3. Training: schedule, optimiser, EMA, what every run reuses, one epoch =================
 def lr_schedule(hyp, epoch):
     """Page's piecewise-linear schedule at a fractional epoch: 0 -> lr_peak at epochs/5 -> lr_floor
     from epochs - floor_epochs on (or halfway from peak to end, in runs too short for that)."""
@@ -311,9 +296,8 @@ class Nesterov:
 
     Each step's gradient (plus weight decay) is multiplied by that step's learning rate before it
     enters the momentum buffer v:  dw = -lr_t (g + wd w);  v <- m v + dw;  w <- w + dw + m v.
-    torch.optim.SGD applies the current rate to the whole buffer instead: as the rate rises, its
-    steps would be up to 45 % larger. bf16 weights are updated through fp32 copies ('masters'),
-    fp16 weights in place, as Page did. Each line is one torch._foreach_ call over a group."""
+    torch.optim.SGD applies the current rate to the whole buffer: as the rate rises, its steps
+    would be up to 45 % larger. bf16 weights step through fp32 copies ('masters'), fp16 in place."""
 
     def __init__(self, groups, momentum):
         self.momentum, self.groups = momentum, []
@@ -390,39 +374,43 @@ def summed_loss(model, images, labels, label_smoothing):
     return loss, logits
 
 
-class Networks:
-    """Built once for every run: the network trained, its EMA (fp32), the EMA's weights in the
-    network's precision (evaluated), the optimiser, the loss and flip-TTA functions (compiled:
-    torch.compile's mode, channels_last except on MPS; False: eager, NCHW). rank, world:
-    this process's place among those that split each batch (torchrun). A run: reinitialise()."""
+class Trainer:
+    """What every run reuses, built once: the network trained, its EMA (fp32), eval_network (into
+    which evaluate() copies the EMA in the network's precision), the optimiser, the loss and
+    flip-TTA functions (compiled: torch.compile's mode, in channels_last but on MPS; False: eager,
+    NCHW). rank, world: this process's place among the torchrun ranks that split each batch."""
 
     def __init__(self, hyp, device, dtype, compiled, rank=0, world=1):
-        self.hyp, self.device, self.dtype = hyp, device, dtype
-        self.rank, self.world = rank, world
-        self.memory_format = layout = (torch.channels_last if compiled and device.type != 'mps' else
-                                       torch.contiguous_format)
-        initial = ResNet9(torch.zeros(27, 3, 3, 3), hyp)  # a run draws its weights and whitening
+        self.hyp, self.device, self.dtype, self.rank, self.world = hyp, device, dtype, rank, world
+        channels_last = compiled and device.type != 'mps'
+        layout = torch.channels_last if channels_last else torch.contiguous_format
+        self.memory_format = layout
+        with torch.random.fork_rng(devices=[]):  # the caller's random state: as it was
+            initial = ResNet9(torch.zeros(27, 3, 3, 3), hyp)  # each run draws its own weights
         self.network = to_training_precision(copy.deepcopy(initial), dtype, device, layout)
-        self.parallel = self.network  # what a step calls: under torchrun, the harness's DDP of it
-        self.evaluated = to_training_precision(copy.deepcopy(initial), dtype, device, layout)
+        self.step_network = self.network  # what a step calls; under torchrun, the harness's DDP
+        self.eval_network = to_training_precision(copy.deepcopy(initial), dtype, device, layout)
         self.ema = initial.to(device, at_least_fp32(dtype), memory_format=layout)
-        for model in (self.ema, self.evaluated):
+        for model in (self.ema, self.eval_network):
             model.eval().requires_grad_(False)
         self.optimiser = optimiser(self.network, hyp)
-        self.averages = ema_tensors(self.ema)  # each list made once: an update is one call
-        self.averaged = ema_tensors(self.network, self.optimiser.masters)
-        self.evaluated_weights = ema_tensors(self.evaluated)
+        self.ema_state = ema_tensors(self.ema)  # each list made once: an update is one call
+        self.trained_state = ema_tensors(self.network, self.optimiser.masters)
+        self.eval_state = ema_tensors(self.eval_network)
         norms = [m for m in self.network.modules() if isinstance(m, nn.BatchNorm2d)]
         self.batch_norm_statistics = [t for m in norms for t in (m.running_mean, m.running_var)]
-        self.summed_loss, self.flip_tta_logits = (
-            torch.compile(f, dynamic=False, mode=compiled) if compiled else f
-            for f in (summed_loss, flip_tta_logits))
+        self.summed_loss, self.flip_tta_logits = summed_loss, flip_tta_logits
+        if compiled:
+            self.summed_loss = torch.compile(summed_loss, dynamic=False, mode=compiled)
+            self.flip_tta_logits = torch.compile(flip_tta_logits, dynamic=False, mode=compiled)
 
     @torch.no_grad()
     def reinitialise(self, whitening, seed):
-        """A new ResNet9's weights, drawn on the CPU with seed (the same on any device)."""
-        torch.manual_seed(seed)
-        initial = ResNet9(whitening.cpu(), self.hyp).state_dict()
+        """A new ResNet9's weights, drawn on the CPU with seed (the same on any device), from a
+        generator of their own: the caller's random state stays as it was."""
+        with torch.random.fork_rng(devices=[]):
+            torch.random.default_generator.manual_seed(seed)
+            initial = ResNet9(whitening.cpu(), self.hyp).state_dict()
         self.network.load_state_dict(initial)  # into its dtype and layout
         self.ema.load_state_dict(initial)
         self.optimiser.reset()
@@ -439,10 +427,10 @@ def average_over_ranks(tensors, world):
             t.copy_(mean.view_as(t))
 
 
-def train_epoch(networks, images, labels, epoch, steps, hyp):
+def train_epoch(trainer, images, labels, epoch, steps, hyp):
     """One pass over the batches: the summed loss and correct count (device tensors: nothing waits
     for them), the last lr. The EMA updates after batches 0, 5, 10, ... (off: after the last)."""
-    batch = hyp['batch_size'] // networks.world  # this process's images of a step
+    batch = hyp['batch_size'] // trainer.world  # this process's images of a step
     ema_steps = range(0, steps, hyp['ema_every']) if hyp['ema_momentum'] else [steps - 1]
     ema_momentum = hyp['ema_momentum'] ** hyp['ema_every']  # a step's, applied every ema_every
     loss_sum = correct = 0  # tensors on the device after the first step
@@ -450,39 +438,36 @@ def train_epoch(networks, images, labels, epoch, steps, hyp):
         step = (epoch - 1) * steps + i + 1  # the schedule at the step's end: the first lr is not 0
         lr = lr_schedule(hyp, step / steps)
         x, y = images[i * batch:(i + 1) * batch], labels[i * batch:(i + 1) * batch]
-        networks.network.zero_grad()  # to None before the forward: the last gradients are freed
-        loss, logits = networks.summed_loss(networks.parallel, x, y, hyp['label_smoothing'])
-        (loss * networks.world).backward()  # DDP averages the ranks' gradients: x world, the sum
-        networks.optimiser.step(lr)
+        trainer.network.zero_grad()  # to None before the forward: the last gradients are freed
+        loss, logits = trainer.summed_loss(trainer.step_network, x, y, hyp['label_smoothing'])
+        (loss * trainer.world).backward()  # DDP averages the ranks' gradients: x world, the sum
+        trainer.optimiser.step(lr)
         if i in ema_steps:
-            average_over_ranks(networks.batch_norm_statistics, networks.world)
-            ema_update(networks.averages, networks.averaged, ema_momentum)
+            average_over_ranks(trainer.batch_norm_statistics, trainer.world)
+            ema_update(trainer.ema_state, trainer.trained_state, ema_momentum)
         loss_sum += loss.detach()
         correct += (logits.argmax(1) == y).sum()
     return loss_sum, correct, lr
 
 
 # ==== 4. Evaluation: the EMA model with flip test-time augmentation ============================
-def test_set(data, networks, hyp, last_batches=None):
+def upload_test_set(data, trainer):
     """This process's test images (rank, rank + world, ...) in the network's dtype, and labels."""
-    rank, world = networks.rank, networks.world
-    images = normalise(data['test_images'][rank::world], networks.device, networks.dtype
-                       ).contiguous(memory_format=networks.memory_format)
-    labels = torch.from_numpy(data['test_labels'][rank::world]).to(networks.device)
-    if last_batches:
-        batch = hyp['eval_batch_size']
-        return [torch.cat(t.split(batch)[-last_batches:]) for t in (images, labels)]
+    share = slice(trainer.rank, None, trainer.world)
+    images = normalise(data['test_images'][share], trainer.device, trainer.dtype)
+    images = images.contiguous(memory_format=trainer.memory_format)
+    labels = torch.from_numpy(data['test_labels'][share]).to(trainer.device, torch.int64)
     return images, labels
 
 
 @torch.no_grad()
-def evaluate(networks, images, labels, hyp):
+def evaluate(trainer, images, labels, hyp):
     """Summed loss (label-smoothed) and correct count of the EMA's weights, cast to the network's
     precision, with flip-TTA (as hyp says), and the correct count of TTA's first view alone."""
-    torch._foreach_copy_(networks.evaluated_weights, networks.averages)
+    torch._foreach_copy_(trainer.eval_state, trainer.ema_state)
     loss_sum = correct = plain_correct = 0  # tensors on the device after the first batch
     for x, y in zip(images.split(hyp['eval_batch_size']), labels.split(hyp['eval_batch_size'])):
-        plain, tta = networks.flip_tta_logits(networks.evaluated, x)
+        plain, tta = trainer.flip_tta_logits(trainer.eval_network, x)
         logits = tta if hyp['flip_tta'] else plain
         loss_sum += F.cross_entropy(logits.to(at_least_fp32(logits.dtype)), y, reduction='sum',
                                     label_smoothing=hyp['label_smoothing'])
@@ -499,36 +484,36 @@ def synced_clock(device):
     return time.perf_counter()
 
 
-def train_run(data, networks, hyp, seed, on_epoch, steps_per_epoch=None, test_batches=None):
-    """Train one model from the uint8 arrays: returns a row an epoch; its EMA is in networks.ema.
-    seed fixes the weights and every augmentation draw (on the CPU: the same run on any device); the
-    last two arguments cut the warm-up short. The clock skips the evaluation."""
-    device, generator = networks.device, torch.Generator().manual_seed(seed)
-    test, test_labels = test_set(data, networks, hyp, test_batches)  # for evaluating: not timed
+def train_run(data, trainer, hyp, seed, on_epoch, steps_per_epoch=None):
+    """Train one model from the uint8 arrays: returns a row an epoch; its EMA is in trainer.ema.
+    seed fixes the weights and every augmentation draw (on the CPU: the same run on any device);
+    steps_per_epoch cuts a warm-up's epochs short. The clock skips the evaluation."""
+    device, generator = trainer.device, torch.Generator().manual_seed(seed)
+    test, test_labels = upload_test_set(data, trainer)  # not timed
     start = synced_clock(device)
-    train = normalise(data['train_images'], device, networks.dtype)
-    train_labels = torch.from_numpy(data['train_labels']).to(device)
+    train = normalise(data['train_images'], device, trainer.dtype)
+    train_labels = torch.from_numpy(data['train_labels']).to(device, torch.int64)
     padded = F.pad(train, (hyp['pad'],) * 4, mode='reflect')
     whitening = torch.zeros(27, 3, 3, 3)  # what a network without whitening ('none') is given
     if hyp['whitening'] != 'none':
         whitening = whitening_filters(train[:hyp['whitening_images']], hyp['whitening_eps'])
-        average_over_ranks([whitening], networks.world)  # under torchrun, the same bit for bit
-    networks.reinitialise(whitening, seed)
+        average_over_ranks([whitening], trainer.world)  # under torchrun, the same bit for bit
+    trainer.reinitialise(whitening, seed)
     total_time, rows = synced_clock(device) - start, []
     for epoch in range(1, hyp['epochs'] + 1):
         start = time.perf_counter()  # the device is idle: the last epoch's sums were read
         images, labels, steps = augmented_epoch(padded, train_labels, hyp, generator,
-                                                networks.rank, networks.world)
-        images = images.contiguous(memory_format=networks.memory_format)
+                                                trainer.rank, trainer.world)
+        images = images.contiguous(memory_format=trainer.memory_format)
         steps = min(steps, steps_per_epoch or steps)
-        train_loss, train_correct, lr = train_epoch(networks, images, labels, epoch, steps, hyp)
+        train_loss, train_correct, lr = train_epoch(trainer, images, labels, epoch, steps, hyp)
         train_time = synced_clock(device) - start
         start = time.perf_counter()
-        valid_loss, valid_correct, plain_correct = evaluate(networks, test, test_labels, hyp)
+        valid_loss, valid_correct, plain_correct = evaluate(trainer, test, test_labels, hyp)
         valid_time = synced_clock(device) - start
         total_time += train_time
         sums = torch.stack([train_loss, train_correct, valid_loss, valid_correct, plain_correct])
-        if networks.world > 1:
+        if trainer.world > 1:
             dist.all_reduce(sums)  # the sums over every process's share of the images
         train_loss, train_correct, valid_loss, valid_correct, plain_correct = sums.tolist()
         n_train, n_test = steps * hyp['batch_size'], len(data['test_images'])
@@ -544,22 +529,23 @@ def train_run(data, networks, hyp, seed, on_epoch, steps_per_epoch=None, test_ba
 
 # #############################################################################################
 # Harness: what a run is given (device, dtype, compilation, ranks, --tiny's TINY), and all
-# around it: download, torchrun, timing, reporting, statistics, job files, the command line.
+# around it: download, torchrun, the Python entry, reporting, statistics, job files, the command
+# line. It changes no number a run computes.
 # #############################################################################################
 
-import argparse, codecs, contextlib, datetime, difflib, hashlib, http.client, inspect, io, json
-import os, pickle, platform, shutil, signal, sys, tarfile, tempfile, textwrap, threading
-import urllib.request, warnings
+import argparse, contextlib, datetime, difflib, hashlib, http.client, importlib.util, inspect, io
+import json, os, pickle, platform, shutil, signal, sys, tarfile, tempfile, textwrap, urllib.request
 from pathlib import Path
 
-TRICKS_OFF = {  # each of Page's tricks: what runs instead when it is off, the setting that does it
-    'label smoothing': ('one-hot targets', 'label_smoothing', 0),
-    'CELU': ('ReLU', 'celu_alpha', 0),
-    'ghost batch norm': ('batch norm over the whole batch', 'bn_split_size', 0),
-    'frozen scales': ('learned batch-norm scales (alpha, x64 kept)', 'bn_scale_frozen', False),
-    'whitening': ('a learned 3x3 conv', 'whitening', 'none'),
-    'EMA': ('the last weights', 'ema_momentum', 0),
-    'flip-TTA': ('each test image alone', 'flip_tta', False)}
+# --tiny: the recipe on a subset, narrow: seconds on 2 CPU cores. Its EMA momentum is 0.9: 0.99
+# averages over the last ~100 steps, too many of its 184.
+TINY = dict(epochs=4, batch_size=64, train_images=3000, test_images=500, channels=(8, 16, 32, 64),
+            ema_momentum=0.9, whitening_images=3000, eval_batch_size=250)
+
+
+def silent(*args, **kwargs):
+    """print's stand-in where nothing is printed: a rank but 0, train() unless asked."""
+
 
 # ==== Download and safe loading of CIFAR-10's files ============================================
 CLASSES = ('airplane', 'automobile', 'bird', 'cat', 'deer', 'dog', 'frog', 'horse', 'ship', 'truck')
@@ -573,28 +559,22 @@ OFFICIAL_MD5 = dict(zip(  # the batch files: five of training images, then the t
      '482c414d41f54cd18b22e5b47d7c54d7', '40351d587109b95175f43aff81a1287e']))
 
 
-class UserError(Exception):
+class UserError(ValueError):
     """A problem the user can fix: main prints the message on one line and exits non-zero."""
 
 
 def ensure_cifar10(data_dir, url=CIFAR10_URL, md5=CIFAR10_MD5):
-    """The folder of the batch files, data_dir or its cifar-10-batches-py, downloaded if missing.
-    What it makes appears whole or not at all (a part file, a staging folder), to other jobs too."""
+    """The folder of the batch files, data_dir or its cifar-10-batches-py, downloaded if missing
+    through a part file and a staging folder: what it makes is whole or absent."""
     data_dir = Path(data_dir)
     if (data_dir / 'data_batch_1').is_file():
         return data_dir
-    if data_dir.is_file():
-        raise UserError(f'--data-dir {data_dir} is a file, not a folder')
-    made = [f for f in [data_dir.resolve(), *data_dir.resolve().parents] if not f.exists()]
     archive = data_dir / CIFAR10_URL.rsplit('/', 1)[-1]  # the official name, from any mirror
-    partial = archive.with_name(f'.{archive.name}.{platform.node()}.part')
-    failed, advice = 'cannot make it', ''
+    partial = archive.with_name(f'.{archive.name}.part')
     try:
         if not (data_dir / BATCHES_DIR).is_dir():
             data_dir.mkdir(parents=True, exist_ok=True)
             if not archive.exists():  # one already there: its extraction and the md5s judge it
-                failed = f'cannot download {url} into {partial}'
-                advice = f': check the network and the disk, or put {BATCHES_DIR}/ there yourself'
                 print(f'downloading {url}', file=sys.stderr)
                 with urllib.request.urlopen(url, timeout=60) as response, open(partial, 'wb') as f:
                     shutil.copyfileobj(response, f, 1 << 20)
@@ -603,41 +583,31 @@ def ensure_cifar10(data_dir, url=CIFAR10_URL, md5=CIFAR10_MD5):
                     raise ValueError(f'its md5 is {got}, not {md5}: it is cut short or not the '
                                      'CIFAR-10 archive')
                 os.replace(partial, archive)
-            failed = f'cannot extract {archive}'
-            advice = ': if it is cut short or not the CIFAR-10 python archive, delete it'
-            with tempfile.TemporaryDirectory(dir=data_dir, prefix='.extract-',
-                                             ignore_cleanup_errors=True) as staging:
+            with tempfile.TemporaryDirectory(dir=data_dir, prefix='.extract-') as staging:
                 with tarfile.open(archive, 'r:gz') as tar:
                     tar.extractall(staging, filter='data')  # refuses absolute paths, links out
                 os.replace(os.path.join(staging, BATCHES_DIR), data_dir / BATCHES_DIR)
     except (OSError, ValueError, EOFError, tarfile.TarError, http.client.HTTPException) as e:
-        if not (data_dir / BATCHES_DIR).is_dir():  # else another job put it there first, whole
-            why = getattr(e, 'reason', e)  # a URLError's or HTTPError's reason
-            hint = ' (is that path right?)' if made else ''  # likelier than a network fault
-            raise UserError(f'no CIFAR-10 in --data-dir {data_dir}{hint}; {failed} ({why}){advice}'
-                            ) from None
+        why = getattr(e, 'reason', e)  # a URLError's or HTTPError's reason
+        raise UserError(f'no CIFAR-10 in --data-dir {data_dir} (is that path right?), nor from '
+                        f'{url} ({why}): put {BATCHES_DIR}/ there yourself, or delete a damaged '
+                        f'{archive.name} there') from None
     finally:
         with contextlib.suppress(OSError):  # NotADirectoryError where a file is in the path
             partial.unlink(missing_ok=True)
-        for folder in made:  # the folders it made, deepest first; one that holds anything stays
-            with contextlib.suppress(OSError):
-                folder.rmdir()
     return data_dir / BATCHES_DIR
 
 
-class NumpyOnlyUnpickler(pickle.Unpickler):
-    """Unpickles the batch files without running code from them: numpy arrays, codecs.encode."""
-    reconstruct = np.ndarray.__reduce__(np.zeros(0))[0]  # numpy's own, under either module name
-    SAFE = {('numpy.core.multiarray', '_reconstruct'): reconstruct,   # numpy < 2 spelling
-            ('numpy._core.multiarray', '_reconstruct'): reconstruct,  # numpy >= 2 spelling
-            ('numpy', 'ndarray'): np.ndarray, ('numpy', 'dtype'): np.dtype,
-            ('_codecs', 'encode'): codecs.encode}
-
-    def find_class(self, module, name):
-        if (module, name) not in self.SAFE:
-            raise pickle.UnpicklingError(f'it refers to {module}.{name}, which a data file never '
-                                         'needs: it may have been tampered with')
-        return self.SAFE[module, name]
+def images_problem(images, labels):
+    """Why images and labels are not uint8 N x 3 x 32 x 32 images (N > 0), an integer 0-9 each."""
+    images, labels = np.asarray(images), np.asarray(labels)
+    if not (images.dtype == np.uint8 and images.shape[1:] == (3, 32, 32) and len(images)):
+        return f'not uint8 N x 3 x 32 x 32 images: {images.dtype} {images.shape}'
+    if labels.shape != (len(images),) or labels.dtype.kind not in 'iu':
+        return f'not {len(images)} integer labels: {labels.dtype} {labels.shape}'
+    if labels.min() < 0 or labels.max() >= NUM_CLASSES:
+        return f'labels from {labels.min()} to {labels.max()}, not within 0-{NUM_CLASSES - 1}'
+    return None
 
 
 def load_cifar10(folder):
@@ -647,20 +617,17 @@ def load_cifar10(folder):
         path = Path(folder) / name
         try:
             raw = path.read_bytes()
-            batch = NumpyOnlyUnpickler(io.BytesIO(raw), encoding='latin1').load()
+            batch = pickle.loads(raw, encoding='latin1')  # a pickle: load only copies you trust
             pixels, classes = batch['data'], np.asarray(batch['labels'])
-            if not (pixels.dtype == np.uint8 and pixels.shape[1:] == (3 * 32 * 32,) and len(pixels)
-                    and classes.shape == (len(pixels),) and classes.dtype.kind in 'iu'
-                    and 0 <= classes.min() and classes.max() < NUM_CLASSES):
-                raise ValueError('not uint8 rows of 3 x 32 x 32 pixels, each with a label 0-9')
-        except FileNotFoundError:  # a user's own folder, maybe: no advice to delete it
-            raise UserError(f'{path} is missing: {folder} is not a complete CIFAR-10 python copy '
-                            '(a --data-dir without one gets a download)') from None
-        except Exception as e:  # a damaged pickle fails in many ways: EOFError, KeyError, ...
+            pixels = pixels.reshape(len(pixels), 3, 32, 32)  # rows of 3 x 32 x 32 values, or raises
+            why = images_problem(pixels, classes)
+            if why:
+                raise ValueError(why)
+        except Exception as e:  # a missing file, and the ways a damaged pickle fails
             why = e.strerror if isinstance(e, OSError) else f'{type(e).__name__}: {e}'
-            raise UserError(f'{path} cannot be read as a CIFAR-10 batch ({why}): {folder} is not '
-                            'a whole CIFAR-10 python copy; delete it, run again') from None
-        images.append(pixels.reshape(-1, 3, 32, 32))
+            raise UserError(f'{path}: not a CIFAR-10 python batch ({why}): {folder} must hold a '
+                            'whole copy (without one, a --data-dir gets a download)') from None
+        images.append(pixels)
         labels.append(classes.astype(np.int64))
         md5s.append(hashlib.md5(raw).hexdigest())
     differing = [name for name, md5 in zip(OFFICIAL_MD5, md5s) if md5 != OFFICIAL_MD5[name]]
@@ -673,34 +640,40 @@ def load_cifar10(folder):
                 digest=hashlib.sha256(' '.join(md5s).encode()).hexdigest()[:16])
 
 
-# ==== Devices and precision ====================================================================
+def first_images(data, hyp):
+    """data's first train_images and test_images (hyp's counts), checked: a UserError says why."""
+    for kind in ('train', 'test'):
+        why = images_problem(data[f'{kind}_images'], data[f'{kind}_labels'])
+        if why:
+            raise UserError(f"data['{kind}_images'], data['{kind}_labels']: {why}")
+    data = {f'{kind}_{part}': np.asarray(data[f'{kind}_{part}'])[:hyp[f'{kind}_images']]
+            for kind in ('train', 'test') for part in ('images', 'labels')}
+    if len(data['train_images']) < hyp['batch_size']:
+        raise UserError(f"batch_size={hyp['batch_size']}: more than the "
+                        f"{len(data['train_images'])} training images")
+    return data
+
+
+# ==== Devices, precision and compilation =======================================================
 def pick_device(name, local_rank=None, share=False):
-    """The training device; under torchrun, its local rank's GPU (modulo the count if shared)."""
-    gpus = torch.cuda.device_count()
-    mps = torch.backends.mps.is_available()
+    """The training device: the one named, or for auto the best there is; under torchrun the GPU
+    of the rank's LOCAL_RANK (share: LOCAL_RANK modulo the GPUs, for ranks that outnumber them)."""
     given = name
     if name == 'auto':
-        name = 'cpu'
-        if torch.cuda.is_available():
-            name = 'cuda'
-        elif mps:
-            name = 'mps'
-    with contextlib.suppress(RuntimeError):  # torch.device('cuda:x') raises
-        device = torch.device(name)  # it wraps some (cuda:128 is cuda:-128): str() must match
-        index = device.index
+        name = (torch.accelerator.current_accelerator() or torch.device('cpu')).type
+    try:
+        device = torch.device(name)
         if device.type == 'cuda' and local_rank is not None:
-            index = local_rank % gpus if share and gpus else local_rank
-        usable = dict(cpu=index is None, cuda=(index or 0) < gpus,  # ranks: NCCL (cuda), gloo (cpu)
-                      mps=mps and index is None and local_rank is None)
-        if usable.get(device.type) and str(device) == name:
-            return torch.device(device.type, index)
-        if device.type == 'cuda' and local_rank is not None and 0 < gpus <= local_rank:
-            raise UserError(f'--device {given}: more ranks on this machine than its {gpus} GPU(s); '
-                            'ranks that split batches take one each, --spread runs shares them')
-    build = '' if torch.version.cuda else ' (this torch is a CPU-only build)'
-    raise UserError(f"--device {given!r}: not a device torch trains on here (it sees "
-                    f"{gpus or 'no'} CUDA GPU(s){build}, {'' if mps else 'no '}MPS; torchrun's "
-                    'ranks take cuda or cpu): choose auto, cuda, cuda:N, mps or cpu')
+            index = local_rank
+            if share:
+                index = local_rank % max(torch.cuda.device_count(), 1)
+            device = torch.device('cuda', index)
+        torch.empty(1, device=device)  # raises where torch cannot compute on it
+    except (RuntimeError, AssertionError) as e:  # AssertionError: a torch built without CUDA
+        why = str(e).strip().split('\n')[0]
+        raise UserError(f'--device {given}: torch cannot train on {name} here ({why}); choose '
+                        'auto, cuda, cuda:N, mps or cpu') from None
+    return device
 
 
 def pick_dtype(name, device):
@@ -710,118 +683,98 @@ def pick_dtype(name, device):
     return dict(fp16=torch.float16, bf16=torch.bfloat16, fp32=torch.float32)[name]
 
 
-def compiles(args, device, batch_ranks=1):
-    """torch.compile's mode (False: eager): CUDA graphs on CUDA, not under DDP's batch split
-    (pytorch#139207); eager on MPS (experimental), --tiny (compiling outlasts it); --compile wins"""
-    on = args.compile
-    if on is None:
-        on = device.type != 'mps' and not args.tiny
-    if not on:
+def compile_mode(option, device, tiny=False, batch_ranks=1):
+    """torch.compile's mode, or False (eager): compiled but for option False, MPS (experimental) and
+    --tiny (compiling outlasts it); CUDA graphs on CUDA, not where DDP splits batches (#139207)."""
+    if option is None:
+        option = device.type != 'mps' and not tiny
+    if not option:
         return False
     if device.type == 'cuda' and batch_ranks == 1:
         return 'reduce-overhead'
     return 'default'
 
 
-# ==== Compilation: compiled before the warm-up, checked against eager, eager if it fails =======
-def compiled_warm_up(data, hyp, device, dtype, compiled, log, rank=0, world=1):
-    """Build the networks (rank, world: as Networks takes them), compile if asked, warm them up;
-    returns them, whether compiled. If one process that splits batches fails to, all train eager."""
-    networks = data_parallel(Networks(hyp, device, dtype, compiled, rank, world))
-    if compiled:  # the training step at a run's shapes and first weights, then the flip-TTA pass
+def warmed_up_trainer(data, hyp, device, dtype, compiled, log, rank=0, world=1):
+    """A Trainer (rank, world: as it takes them; DDP's where they split batches), compiled if
+    asked and its step checked, then warmed up: untimed runs of 2 steps (two on a GPU: cuDNN's
+    search, CUDA graphs' capture) take the one-off costs out of the first run's time."""
+    torch.backends.cudnn.benchmark = device.type == 'cuda'  # a run's shapes are fixed
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False  # fp32 is fp32
+    trainer = Trainer(hyp, device, dtype, compiled, rank, world)
+    if world > 1:  # DDP syncs no buffers, train_epoch averages them (forward_sync_buffers: 2.13 on)
+        options = inspect.signature(nn.parallel.DistributedDataParallel).parameters
+        buffer_sync = next(o for o in ('forward_sync_buffers', 'broadcast_buffers') if o in options)
+        device_ids = [device] if device.type == 'cuda' else None
+        trainer.step_network = nn.parallel.DistributedDataParallel(
+            trainer.network, device_ids=device_ids, **{buffer_sync: False})
+    if compiled:
         start = time.perf_counter()
         batch = hyp['batch_size'] // world
-        images = normalise(data['train_images'][:hyp['whitening_images']], device, torch.float32)
         x = normalise(data['train_images'][:batch], device, dtype)
-        y = torch.from_numpy(data['train_labels'][:batch]).to(device)
+        y = torch.from_numpy(data['train_labels'][:batch]).to(device, torch.int64)
         alone = contextlib.nullcontext()
         if world > 1:
-            alone = networks.parallel.no_sync()  # no collective: no process waits for another
+            alone = trainer.step_network.no_sync()  # no all-reduce: no rank waits for another
         try:
-            networks.reinitialise(whitening_filters(images, hyp['whitening_eps']), seed=0)
+            trainer.reinitialise(whitening_filters(x, hyp['whitening_eps']), seed=0)
             with alone:
-                failure = compiled_step_disagreement(
-                    networks, x.contiguous(memory_format=networks.memory_format), y, hyp)
-            if not failure:  # the flip-TTA pass at both its shapes: a full test batch, the last
-                evaluate(networks, *test_set(data, networks, hyp, last_batches=2), hyp)
-        except Exception as error:
-            failure = compile_failure_line(error)
-        failures = torch.tensor(float(failure is not None), device=device)
-        if world > 1:
-            dist.all_reduce(failures)
-        if failures.item():  # each rank says why it trains eager
-            torchrun_rank, _, torchrun_world = torchrun_ranks()
-            why = failure or 'torch.compile failed on another rank: every rank trains eager'
-            print(f'rank {torchrun_rank}: {why}' if torchrun_world > 1 else why, flush=True)
-            networks = data_parallel(Networks(hyp, device, dtype, False, rank, world))
-            compiled = False
-        else:
-            log(f'torch.compile ({compiled}): {time.perf_counter() - start:.1f} s, its step '
-                "checked against eager, before the warm-up, outside every run's time")
-    for _ in range(1 if device.type == 'cpu' else 2):  # a GPU's first: cuDNN's search, capture
-        train_run(data, networks, {**hyp, 'epochs': 1}, 0, lambda row: None, steps_per_epoch=2,
-                  test_batches=2)
-    return networks, compiled
+                x = x.contiguous(memory_format=trainer.memory_format)
+                why = compiled_step_error(trainer, x, y, hyp)
+        except Exception as error:  # no C++ compiler, a damaged cache file, ...
+            cause = error  # the root of what the compiler wrapped
+            while getattr(cause, 'inner_exception', None) or cause.__cause__:
+                cause = getattr(cause, 'inner_exception', None) or cause.__cause__
+            reason = f'{type(cause).__name__}: {str(cause).strip()}'.split('\n')[0][:200]
+            why = f'failed ({reason})'
+        if why:
+            raise UserError(f'torch.compile {why}; --no-compile trains eager')
+        log(f'torch.compile ({compiled}): {time.perf_counter() - start:.1f} s, its step checked '
+            "against eager's, outside every run's time", flush=True)
+    for _ in range(1 if device.type == 'cpu' else 2):
+        train_run(data, trainer, {**hyp, 'epochs': 1}, 0, silent, steps_per_epoch=2)
+    return trainer
 
 
-def compiled_step_disagreement(networks, x, y, hyp):
-    """None if the compiled step's loss and gradients are eager's within rounding, else why not."""
+def compiled_step_error(trainer, x, y, hyp):
+    """How the compiled step's loss and gradients differ from eager's beyond rounding, or None:
+    each may differ by 4 x eager's distance from the step in a wider dtype (float64 for fp32, fp32
+    for half precision; on the CPU for MPS), or 4 x the median: what no CPU suite can check."""
     def loss_and_gradients(model, loss_function, images):
         model.zero_grad()  # every .grad to None
         loss = loss_function(model, images, y.to(images.device), hyp['label_smoothing'])[0]
         loss.backward()
-        grads = [p.grad for p in model.parameters() if p.requires_grad]
-        return [t.detach().cpu().double() for t in [loss, *grads]]
-    # each may differ from eager's by 4 x eager's distance from a wider reference, or 4 x the median
-    wide = torch.float64 if networks.dtype in (torch.float32, torch.float64) else torch.float32
-    wide_on = torch.device('cpu') if x.device.type == 'mps' and wide == torch.float64 else x.device
-    reference = loss_and_gradients(copy.deepcopy(networks.network).to(wide_on, wide), summed_loss,
-                                   x.to(wide_on, wide))
-    eager = loss_and_gradients(networks.parallel, summed_loss, x)
-    compiled = loss_and_gradients(networks.parallel, networks.summed_loss, x)
+        gradients = [p.grad for p in model.parameters() if p.requires_grad]
+        return [t.detach().cpu().double() for t in [loss, *gradients]]
+    wide = torch.float64 if trainer.dtype == torch.float32 else torch.float32
+    on = 'cpu' if x.device.type == 'mps' else x.device
+    reference = loss_and_gradients(copy.deepcopy(trainer.network).to(on, wide), summed_loss,
+                                   x.to(on, wide))
+    eager = loss_and_gradients(trainer.step_network, summed_loss, x)
+    compiled = loss_and_gradients(trainer.step_network, trainer.summed_loss, x)
     if not all(torch.isfinite(t).all() for t in eager + reference):
         return None  # nothing to judge by: eager training will meet the same NaN, and say so
+    names = ['the loss'] + [f"{name}'s gradient" for name, p in trainer.network.named_parameters()
+                            if p.requires_grad]
     sizes = [float(t.norm()) or 1.0 for t in reference]
     rounding = [float((e - r).norm()) / size for e, r, size in zip(eager, reference, sizes)]
     floor = float(np.median(rounding))
-    names = ['the loss'] + [f"{name}'s gradient" for name, p in networks.network.named_parameters()
-                            if p.requires_grad]
     for name, got, expected, size, error in zip(names, compiled, eager, sizes, rounding):
         gap = float((got - expected).norm()) / size
         bound = 4 * max(error, floor)
         if not gap <= bound:  # NaN too
-            why = 'is not finite'
-            if math.isfinite(gap):
-                why = (f'differs from eager by {gap:.2g} of its size, beyond the {bound:.2g} its '
-                       'rounding allows')
-            return (f"torch.compile's training step disagrees with eager ({name} {why}): "
-                    'training eager instead')
+            return (f"computes a wrong step ({name} differs from eager's by {gap:.2g} of its size, "
+                    f'beyond the {bound:.2g} its rounding allows)')
     return None
 
 
-def compile_failure_line(error):
-    """Why a compilation failed, in one line; raises what eager would meet too (memory, ranks)."""
-    chain, inner = [], error  # error, then what it wraps: inductor's inner_exception, or a cause
-    while inner is not None:
-        chain.append(inner)
-        inner = getattr(inner, 'inner_exception', None) or inner.__cause__
-    if any(isinstance(link, (torch.cuda.OutOfMemoryError, dist.DistError)) for link in chain):
-        raise error
-    root = next((link for link in reversed(chain) if str(link).strip()), chain[-1])
-    reason = f'{type(root).__name__}: {str(root).strip()}'.splitlines()[0][:200]
-    return f'torch.compile failed ({reason}): training eager instead'
-
-
 # ==== torchrun: the ranks split each batch (the default) or train whole runs (--spread runs) ====
-def torchrun_ranks():
-    """(rank, local rank, world size) as torchrun sets them; (0, 0, 1) for a plain process."""
-    return tuple(int(os.environ.get(name, default)) for name, default in
-                 (('RANK', 0), ('LOCAL_RANK', 0), ('WORLD_SIZE', 1)))
-
-
 def join_process_group(device, split_batches=True):
-    """Join torchrun's ranks: NCCL for GPUs that split batches, else gloo (waiting up to 7 days)."""
-    import torch.distributed.nn  # noqa: F401  now: imported later by DDP, it would keep the group
+    """Join torchrun's ranks: NCCL for GPUs that split batches, else gloo (waiting up to 7 days:
+    a rank of --spread runs waits for the slowest run of each round)."""
+    # Imported now: imported later (by DDP), its functions' default arguments would hold the group,
+    # and gloo's threads would outlive destroy_process_group, and abort in Python's shutdown.
+    import torch.distributed.nn  # noqa: F401
     nccl = device.type == 'cuda' and split_batches
     if device.type == 'cuda':
         torch.cuda.set_device(device)
@@ -829,22 +782,48 @@ def join_process_group(device, split_batches=True):
                             timeout=None if split_batches else datetime.timedelta(days=7))
 
 
-def leave_process_group():
-    """Destroy the group and gloo's threads while Python runs (left to its shutdown, they abort)."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
+# ==== From Python: a run on the data a caller gives, a model's test logits =====================
+TRAINERS = {}  # what train() built, compiled and warmed up, by its settings: later calls reuse it
 
 
-def data_parallel(networks):
-    """networks, their step's network in DDP where processes split each batch; no buffers synced
-    (forward_sync_buffers, before torch 2.13 broadcast_buffers): train_epoch averages them."""
-    if networks.world > 1:
-        options = inspect.signature(nn.parallel.DistributedDataParallel).parameters
-        buffer_sync = next(o for o in ('forward_sync_buffers', 'broadcast_buffers') if o in options)
-        device_ids = [networks.device] if networks.device.type == 'cuda' else None
-        networks.parallel = nn.parallel.DistributedDataParallel(
-            networks.network, device_ids=device_ids, **{buffer_sync: False})
-    return networks
+def train(data, hyp=None, seed=0, tiny=False, device='auto', dtype='auto', compile=None,
+          progress=False):
+    """One run of the recipe as the command line trains it, on the data given: a dict of uint8
+    N x 3 x 32 x 32 'train_images' and 'test_images' with integer 'train_labels' and 'test_labels'
+    0-9, as load_cifar10 returns it, or a subset or relabelling of it (of which the first
+    hyp['train_images'] and hyp['test_images'] are used). hyp: settings over HYP (over TINY's if
+    tiny); device, dtype, compile: as --device, --dtype, --compile. Returns the run's EMA model
+    (fp32, in eval mode, a copy of its own) and its rows. The first call with some settings builds,
+    compiles and warms up the networks; later calls reuse them. Prints nothing (progress: a line a
+    run), leaves the random state as it was, and sets torch as main does (cuDNN's benchmark on CUDA,
+    no TF32). Bad input: a UserError (a ValueError) naming it."""
+    hyp = {**HYP, **(TINY if tiny else {}), **(hyp or {})}
+    why = hyp_problem(hyp)
+    if why:
+        raise UserError(f'hyp: {why}')
+    data = first_images(data, hyp)
+    device = pick_device(device)
+    dtype = pick_dtype(dtype, device)
+    compiled = compile_mode(compile, device, tiny)
+    settings = (json.dumps(hyp, sort_keys=True), str(device), dtype, compiled)
+    if settings not in TRAINERS:
+        TRAINERS[settings] = warmed_up_trainer(data, hyp, device, dtype, compiled, silent)
+    trainer = TRAINERS[settings]
+    rows = train_run(data, trainer, hyp, seed, silent)
+    if progress:
+        print(f"seed {seed}: valid accuracy {100 * rows[-1]['valid_acc']:.2f} % after "
+              f"{len(rows)} epochs, {rows[-1]['total_time']:.1f} s", flush=True)
+    return copy.deepcopy(trainer.ema), rows
+
+
+@torch.no_grad()
+def test_logits(model, images, batch_size=1000):
+    """A model's logits for uint8 N x 3 x 32 x 32 images with flip-TTA, as a run evaluates, in
+    their order, on the CPU, in the model's dtype (fp32 for train()'s)."""
+    weight = next(model.parameters())
+    images = normalise(np.asarray(images), weight.device, weight.dtype)
+    logits = [flip_tta_logits(model.eval(), batch)[1] for batch in images.split(batch_size)]
+    return torch.cat(logits).cpu()
 
 
 # ==== Reporting: the Myrtle.ai / DAWNBench table, the header, the summary over runs ============
@@ -858,10 +837,10 @@ def table_line(values):
     return ''.join(f'{v:>12.4f}' if isinstance(v, float) else f'{v:>12}' for v in values)
 
 
-def run_table_lines(run, runs_requested, source=''):
+def run_table_lines(run, runs_requested):
     """A finished run's table: its title, the columns, a row per epoch, and FAILED if it failed."""
-    rows = [[math.nan if row[k] is None else row[k] for k in ROW_KEYS] for row in run['rows']]
-    lines = [f"\nrun {run['run']}/{runs_requested} (seed {run['seed']}){source}",
+    rows = [[row[k] for k in ROW_KEYS] for row in run['rows']]
+    lines = [f"\nrun {run['run']}/{runs_requested} (seed {run['seed']})",
              table_line(COLUMNS), *map(table_line, rows)]
     if run['failed']:
         lines.append(f"run {run['run']} FAILED: the loss became NaN in epoch {len(run['rows'])}")
@@ -877,33 +856,25 @@ def evaluation_label(hyp):
 def header_lines(job, world=1, spread=False):
     """A log's lines before its first row (job: Job.context): version, device, settings, FLOPs."""
     hyp, flops, device = job['hyperparameters'], job['flops'], job['device']
-    peak = f" | peak {job['peak_tflops']:g} TFLOP/s" if job['peak_tflops'] else ''
-    if world > 1 and spread:
-        device += f' | {world} ranks ({dist.get_backend()}), each training whole runs'
-    elif world > 1:
-        share = hyp['batch_size'] // world
-        device += f' | {world} ranks ({dist.get_backend()}), {share} images each per step'
-        peak += f' x {world}' if peak else ''
-    tflop = {key: f'{value / 1e12:.4g} TFLOP' for key, value in flops.items()}
-    dtype, evaluation = (job[key].split('.')[-1] for key in ('dtype', 'evaluation_dtype'))
+    peak = f" | peak {job['peak_tflops'] * job['ranks']:g} TFLOP/s" if job['peak_tflops'] else ''
+    if world > 1:
+        share = 'each training whole runs' if spread else 'splitting each batch'
+        device += f' | {world} ranks ({dist.get_backend()}), {share}'
     settings = ', '.join(f'{k}={v}' for k, v in hyp.items())
-    lines = [f"train_cifar10.py {job['script_sha256']} | torch {job['torch']} | {device}",
-             f'dtype {dtype}, evaluation {evaluation} (batch norm and the loss fp32; no TF32) | '
-             f"seed {job['seed']} | {job['train_images']} train / {job['test_images']} test images",
-             *textwrap.wrap(f'hyperparameters: {settings}', 100, subsequent_indent='    ',
-                            break_long_words=False),
-             f"data: {job['data']} (files' digest {job['data_digest']})",
-             f"model FLOPs: {tflop['step']} a training step x {flops['steps']} steps + "
-             f"{tflop['whitening']} whitening = {tflop['run']} a run{peak}",
-             f'valid = accuracy ({evaluation_label(hyp)}); total time = preprocessing + training '
-             '(DAWNBench rule: validation excluded, after a warm-up)']
-    off = [trick for trick, (_, name, value) in TRICKS_OFF.items() if hyp[name] == value]
-    if off:
-        lines.append(f"Page's tricks off: {', '.join(off)}")
-    return lines
+    return [f"train_cifar10.py {job['script_sha256']} | torch {job['torch']} | {device}",
+            f"dtype {job['dtype'].split('.')[-1]} (batch norm and the loss fp32; no TF32), in "
+            f"training and evaluation | seed {job['seed']} | {job['train_images']} train / "
+            f"{job['test_images']} test images",
+            *textwrap.wrap(f'hyperparameters: {settings}', 100, subsequent_indent='    ',
+                           break_long_words=False),
+            f"data: {job['data']} (files' digest {job['data_digest']})",
+            f"model FLOPs: {flops['step'] / 1e12:.4g} TFLOP a training step x {flops['steps']} "
+            f"steps = {flops['run'] / 1e12:.4g} TFLOP a run{peak}",
+            f'valid = accuracy ({evaluation_label(hyp)}); total time = preprocessing + training '
+            '(DAWNBench rule: validation excluded, after a warm-up)']
 
 
-def summarize(runs, count_94=True, flops=None, peak=None, world=1, hyp=HYP):
+def summarize(runs, flops=None, peak=None, world=1, hyp=HYP):
     """Statistics of the finished runs (failed: counted, not averaged); flops: TFLOP/s and MFU."""
     finished = [r for r in runs if not r['failed']]
     summary = dict(runs=len(runs), finished=len(finished), failed=len(runs) - len(finished))
@@ -913,16 +884,16 @@ def summarize(runs, count_94=True, flops=None, peak=None, world=1, hyp=HYP):
     summary.update(acc_mean=acc.mean(), acc_min=acc.min(), acc_median=float(np.median(acc)),
                    acc_max=acc.max(), time_mean_s=times.mean(), evaluated=evaluation_label(hyp),
                    time_median_s=float(np.median(times)), time_max_s=times.max())
-    plain = [r['rows'][-1].get('plain_acc') for r in finished]  # TTA's first view alone
-    if hyp['flip_tta'] and None not in plain:
-        summary['acc_no_tta_mean'] = float(np.mean(plain))
-    if count_94:
-        summary['reached_94'] = int((acc >= 0.94).sum())
+    by_epoch = [[row['valid_acc'] for row in run['rows']] for run in finished]
+    summary['acc_by_epoch'] = np.mean(by_epoch, axis=0).tolist()
+    if hyp['flip_tta']:  # TTA's first view alone
+        summary['acc_no_tta_mean'] = float(np.mean([r['rows'][-1]['plain_acc'] for r in finished]))
     if len(acc) > 1:
-        summary['acc_std'] = std = acc.std(ddof=1)
-        half_width = t_quantile(0.975, len(acc) - 1) * std / math.sqrt(len(acc))
-        if 0 <= acc.mean() - half_width and acc.mean() + half_width <= 1:  # else: too few runs
-            summary['acc_ci95'] = (acc.mean() - half_width, acc.mean() + half_width)
+        summary['acc_std'] = acc.std(ddof=1)
+        half_width = t_quantile(0.975, len(acc) - 1) * summary['acc_std'] / math.sqrt(len(acc))
+        low, high = acc.mean() - half_width, acc.mean() + half_width
+        summary['acc_ci95'] = (max(low, 0.0), min(high, 1.0))  # an accuracy lies in 0-1
+        summary['acc_ci95_clipped'] = not 0 <= low <= high <= 1
     if flops:
         summary['tflops_per_s'] = flops / 1e12 / times.mean()
         if peak:
@@ -930,48 +901,35 @@ def summarize(runs, count_94=True, flops=None, peak=None, world=1, hyp=HYP):
     return summary  # numpy's floats are Python floats, to json too
 
 
-def epoch_means(runs):
-    """The finished runs' mean valid accuracy at each epoch."""
-    rows = [[row['valid_acc'] for row in run['rows']] for run in runs if not run['failed']]
-    return np.mean(rows, axis=0).tolist() if rows else []
-
-
 def summary_lines(summary):
-    """The log's last lines: the runs, their accuracy and time, the job's pace, cost and FLOPs."""
+    """The log's last lines: the runs, their accuracy and time, the job's pace and FLOPs."""
     def percent(*keys):
         return ' / '.join(f'{100 * summary[key]:.2f}' for key in keys)
     finished = summary['finished']
-    ran = summary['runs'] - summary.get('read_back', 0)  # in this process, not read back
-    notes = f", {summary['failed']} failed (the loss became NaN)" if summary['failed'] else ''
-    if summary.get('read_back'):
-        now = f', {ran} run now' if ran else ''
-        notes += f" ({summary['read_back']} read back from {summary['resumed_from']}{now})"
-    lines = [f'runs: {finished} finished{notes}']
+    failed = f", {summary['failed']} failed (the loss became NaN)" if summary['failed'] else ''
+    lines = [f'runs: {finished} finished{failed}']
     if not finished:
         return lines + ['no run finished: no statistics']
-    spread = (f"standard deviation {percent('acc_std')} %" if finished > 1 else
-              'one run: no standard deviation')
+    spread = 'one run: no standard deviation'
+    if finished > 1:
+        spread = f"standard deviation {percent('acc_std')} %"
     lines.append(f"accuracy ({summary['evaluated']}): mean {percent('acc_mean')} %, {spread}")
-    if 'acc_ci95' in summary:
-        low, high = summary['acc_ci95']
-        lines.append(f'95% confidence interval of the mean: [{100 * low:.2f}, {100 * high:.2f}] %')
-    elif finished > 1:
-        lines.append(f'95% confidence interval of the mean: too few runs ({finished}) for one: '
-                     'it would reach beyond 0-100 %')
-    reached = (f";  runs >= 94%: {summary['reached_94']} of {finished}"
-               if 'reached_94' in summary else '')
-    lines.append(f"min / median / max: {percent('acc_min', 'acc_median', 'acc_max')} %{reached}")
+    if finished > 1:
+        low, high = (100 * x for x in summary['acc_ci95'])
+        clipped = ' (clipped to 0-100 %: too few runs)' if summary['acc_ci95_clipped'] else ''
+        lines.append(f'95% confidence interval of the mean: [{low:.2f}, {high:.2f}] %{clipped}')
+    lines.append(f"min / median / max: {percent('acc_min', 'acc_median', 'acc_max')} %")
     if 'acc_no_tta_mean' in summary:  # what flip-TTA adds
         lines.append(f"without flip-TTA (each image alone): mean {percent('acc_no_tta_mean')} %")
-    by_epoch = ' '.join(f'{100 * acc:.2f}' for acc in summary.get('acc_by_epoch', []))
-    if by_epoch:  # the course of training
-        lines += textwrap.wrap(f'mean by epoch: {by_epoch} %', 100)
+    by_epoch = ' '.join(f'{100 * acc:.2f}' for acc in summary['acc_by_epoch'])
+    lines += textwrap.wrap(f'mean by epoch: {by_epoch} %', 100)  # the course of training
     lines.append('time per run: mean {time_mean_s:.2f} s, median {time_median_s:.2f} s, max '
                  '{time_max_s:.2f} s'.format(**summary))
-    if 'runs_per_hour' in summary:
+    if 'trained' in summary:
+        ran = summary['trained']
         ranks = f" over {summary['ranks']} ranks" if summary['ranks'] > 1 else ''
         lines.append(f"job: {ran} run{'s' * (ran != 1)} in {summary['wall_s']:.1f} s of wall time "
-                     f"after the warm-up{ranks}, {summary['runs_per_hour']:.0f} runs an hour")
+                     f"after the warm-up{ranks}, {3600 * ran / summary['wall_s']:.0f} runs an hour")
     if 'tflops_per_s' in summary:
         rate = summary['tflops_per_s']
         rate = f'{rate:.2f} TFLOP/s' if rate >= 1 else f'{1000 * rate:.3g} GFLOP/s'
@@ -981,51 +939,24 @@ def summary_lines(summary):
 
 
 def plot_jobs(path, jobs, names=('',)):
-    """--plot, a colour a job: valid accuracy by epoch (mean, band of all runs), train (dashed), the
-    rate (faint); each run's final accuracy, the mean, its 95 % interval; B - A as --compare's."""
+    """--plot: each job's valid accuracy by epoch, its runs' mean and (a band) their extremes."""
     if not any(not run['failed'] for job in jobs for run in job['runs']):
         print(f'--plot {path}: no finished run to draw, nothing written')
         return None
     from matplotlib.figure import Figure  # only here: --plot alone needs matplotlib
     from matplotlib.ticker import MaxNLocator
-    figure = Figure((12, 4 + len(jobs) / 2.5), layout='constrained')
-    curves, finals = figure.subplots(1, 2)
-    rate = curves.twinx()
-    for i, (name, job) in enumerate(zip(names, jobs)):
+    figure = Figure((8, 4 + len(jobs) / 4), layout='constrained')
+    curves = figure.subplots()
+    for name, job in zip(names, jobs):
         runs = [run for run in job['runs'] if not run['failed']]
-        valid, train, lr = (np.array([[row[k] for row in run['rows']] for run in runs])
-                            for k in ('valid_acc', 'train_acc', 'lr'))
+        valid = 100 * np.array([[row['valid_acc'] for row in run['rows']] for run in runs])
         epochs = np.arange(1, valid.shape[1] + 1)
-        acc = 100 * valid[:, -1]
-        if i == 0:
-            first_acc = acc
-        options = job['options']
-        given = ['--tiny'] if options['tiny'] else []
-        given += [f'{k}={options[k]}' for k in HYP_OPTIONS if options[k]] + options['set']
+        given = ['--tiny'] * job['options']['tiny'] + job['options']['set']
         label = f"{name}{len(runs)} run(s): {' '.join(given) or 'the recipe'}"
-        w = {}
-        if i > 0 and min(len(first_acc), len(acc)) > 1:
-            w = welch(first_acc, acc)
-        if w.get('se'):
-            low, high = w['ci95']
-            label += f", {name[:1]} - A: {w['diff']:+.2f} [{low:+.2f}, {high:+.2f}] points"
-        colour = f'C{i}'
-        curves.fill_between(epochs, 100 * valid.min(0), 100 * valid.max(0), color=colour, alpha=0.2)
-        curves.plot(epochs, 100 * valid.mean(0), '.-', color=colour, label=label)
-        curves.plot(epochs, 100 * train.mean(0), '.--', color=colour)
-        rate.plot([0, *epochs], [0, *lr[0]], color=colour, alpha=0.3, lw=1)
-        summary = summarize(runs)
-        mean = 100 * summary['acc_mean']  # as the interval's ends are rounded
-        interval = None
-        if 'acc_ci95' in summary:
-            low, high = (100 * x for x in summary['acc_ci95'])
-            interval = [[mean - low], [high - mean]]
-        finals.errorbar(i, mean, interval, fmt='kD', capsize=8)
-        finals.plot([i] * len(acc), acc, 'o', color=colour, alpha=0.5)
-    curves.set(xlabel='epoch', ylabel='valid accuracy, % (band: every run; dashed: train)')
+        line, = curves.plot(epochs, valid.mean(0), '.-', label=label)
+        curves.fill_between(epochs, valid.min(0), valid.max(0), color=line.get_color(), alpha=0.2)
+    curves.set(xlabel='epoch', ylabel='valid accuracy, % (mean; band: every run)', xlim=(0, None))
     curves.xaxis.set_major_locator(MaxNLocator(integer=True))  # whole epochs
-    rate.set(ylabel="learning rate (faint), at each epoch's end")
-    finals.set(xticks=range(len(jobs)), xticklabels=[n[:1] for n in names], ylabel='final, %')
     figure.legend(loc='outside lower center')
     devices = {f"{job['device']}, {job['dtype'].split('.')[-1]}": None for job in jobs}
     figure.suptitle(' | '.join(devices))
@@ -1042,33 +973,25 @@ def device_description(device):
                 f'{torch.backends.cudnn.version()}')
     if device.type == 'mps':
         return 'Apple MPS'
-    kernels = torch.backends.cpu.get_cpu_capability()
-    isa = os.environ.get('ONEDNN_MAX_CPU_ISA')  # the kernels round differently: part of a job
-    if isa:
-        kernels += f', oneDNN up to {isa}'
+    kernels = torch.backends.cpu.get_cpu_capability()  # they round differently: part of a job
     threads = torch.get_num_threads()
     return f"CPU ({platform.machine()}, {kernels} kernels, {threads} thread{'s' * (threads != 1)})"
 
 
 def count_flops(hyp, n_train):
-    """A run's model FLOPs, counted by torch on the meta device: a training step, the whitening."""
+    """A run's model FLOPs: a training step's, as torch counts them on the meta device, times the
+    steps (the whitening's, 0.001 % of them, left out)."""
     from torch.utils.flop_counter import FlopCounterMode
     n = hyp['batch_size']
-    with torch.device('meta'):
+    with torch.device('meta'), FlopCounterMode(display=False) as counter:
         net = ResNet9(torch.zeros(27, 3, 3, 3), hyp)
         images, labels = torch.zeros(n, 3, 32, 32), torch.zeros(n, dtype=torch.long)
-        with FlopCounterMode(display=False) as step:
-            summed_loss(net, images, labels, hyp['label_smoothing'])[0].backward()
-        with FlopCounterMode(display=False) as whitening:
-            if hyp['whitening'] != 'none':  # a network without it does not compute it
-                patch_moment(torch.zeros(min(hyp['whitening_images'], n_train), 3, 32, 32))
+        summed_loss(net, images, labels, hyp['label_smoothing'])[0].backward()
     steps = hyp['epochs'] * (n_train // n)
-    step_flops, whitening_flops = step.get_total_flops(), whitening.get_total_flops()
-    return dict(step=step_flops, steps=steps, whitening=whitening_flops,
-                run=steps * step_flops + whitening_flops)
+    return dict(step=counter.get_total_flops(), steps=steps, run=steps * counter.get_total_flops())
 
 
-# Datasheets' dense fp16/bf16 tensor-core peaks, TFLOP/s, by name; others need --peak-tflops.
+# Datasheets' dense fp16/bf16 tensor-core peaks, TFLOP/s, by name: what MFU is a share of.
 PEAK_TFLOPS = {
     'NVIDIA H100 80GB HBM3': 989, 'NVIDIA H100 PCIe': 756, 'NVIDIA H200': 989,
     **dict.fromkeys(('NVIDIA A100-SXM4-40GB', 'NVIDIA A100-SXM4-80GB', 'NVIDIA A100-PCIE-40GB',
@@ -1077,11 +1000,11 @@ PEAK_TFLOPS = {
     'NVIDIA GeForce RTX 4090': 165}
 
 
-def peak_tflops(device, dtype, given=None):
-    """The --peak-tflops given, else the table's figure for a known GPU training in fp16, or bf16
-    where it has bf16 tensor cores (compute capability 8.0 on; a T4 or V100 emulates it)."""
-    if given or device.type != 'cuda' or dtype == torch.float32:
-        return given
+def peak_tflops(device, dtype):
+    """The table's figure for a known GPU training in fp16, or in bf16 where it has bf16 tensor
+    cores (compute capability 8.0 on; a T4 or V100 emulates it); else None."""
+    if device.type != 'cuda' or dtype == torch.float32:
+        return None
     if dtype == torch.bfloat16 and torch.cuda.get_device_capability(device)[0] < 8:
         return None
     return PEAK_TFLOPS.get(torch.cuda.get_device_name(device))
@@ -1125,11 +1048,11 @@ def welch(a, b):
 
 
 # ==== Job files: written after every run, read back by --resume, compared by --compare =========
-JOB_FORMAT = 'train_cifar10.py job, format 3'
+JOB_FORMAT = 'train_cifar10.py job, format 4'
 # A job's identity (--resume refuses to mix, --compare shows): what can change a run's numbers.
 DATA_KEYS = ('data', 'data_digest', 'test_images')
-JOB_KEYS = ('script_sha256', 'torch', 'device', 'ranks', 'dtype', 'evaluation_dtype', 'compile',
-            'hyperparameters', 'seed', 'train_images', *DATA_KEYS)
+JOB_KEYS = ('script_sha256', 'torch', 'device', 'ranks', 'dtype', 'compile', 'hyperparameters',
+            'seed', 'train_images', *DATA_KEYS)
 
 
 def write_atomically(path, data, flag):
@@ -1158,18 +1081,16 @@ def read_job(path, option):
     """The job file at path as this version of the script wrote it, else a one-line UserError."""
     try:
         job = json.loads(Path(path).read_text())
+        sha256 = job.pop('sha256')  # the content's, as written: one check for all the rest
+        if sha256 == job_sha256(job) and job['format'] == JOB_FORMAT:
+            return job
     except FileNotFoundError:
         raise UserError(f'{option} {path}: no such file') from None
-    except (OSError, ValueError):  # a folder; UnicodeDecodeError and JSONDecodeError
-        job = None
-    if not isinstance(job, dict):
-        job = {}  # no job: refused below
-    sha256 = job.pop('sha256', None)  # the content's, as written: one check for all the rest
-    if sha256 != job_sha256(job) or job.get('format') != JOB_FORMAT:
-        raise UserError(f'{option} {path} is not a job file as this version of train_cifar10.py '
-                        "wrote it (another file, an older version's, cut short, or changed since "
-                        'by hand or damage); left as it is')
-    return job
+    except (OSError, ValueError, AttributeError, KeyError, TypeError):  # a folder, not a JSON dict
+        pass
+    raise UserError(f'{option} {path} is not a job file as this version of train_cifar10.py wrote '
+                    "it (another file, an older version's, cut short, or changed since by hand or "
+                    'damage); left as it is')
 
 
 def job_differences(a, b, keys=JOB_KEYS):
@@ -1185,42 +1106,32 @@ def job_differences(a, b, keys=JOB_KEYS):
 
 def compare_lines(paths, plot=None):
     """--compare's report: each job's accuracies, and each against the first (A) by Welch's t."""
-    if not 2 <= len(paths) <= 26:
-        raise UserError(f'--compare takes 2 to 26 job files (A, B, ...), not {len(paths)}')
     jobs = [read_job(path, '--compare') for path in paths]
-    sides = 'ABCDEFGHIJKLMNOPQRSTUVWXYZ'[:len(jobs)]
+    sides = [chr(ord('A') + i) for i in range(len(jobs))]
     lines, accuracies = [], []
-    for i, (side, path, job) in enumerate(zip(sides, paths, jobs)):
+    for side, path, job in zip(sides, paths, jobs):
         differences = job_differences(jobs[0], job, DATA_KEYS)
         if differences:
             raise UserError(f"--compare: {paths[0]} and {path} tested on different data, "
                             f"{', '.join(differences)}: their accuracies are not comparable")
-        if any(run in other['runs'] for other in jobs[:i] for run in job['runs']):  # NaN read: null
-            raise UserError(f'--compare: {path} holds runs of a job before it (one job twice, or '
-                            'a copy of it?): a side must be a job of its own')
-        runs = job['runs']
-        acc = np.array([run['accuracy'] for run in runs if not run['failed']])
+        acc = np.array([run['accuracy'] for run in job['runs'] if not run['failed']])
         if not len(acc):
             raise UserError(f'--compare: {path} has no finished run')
         accuracies.append(acc)
-        notes = []
-        if len(runs) > len(acc):
-            notes.append(f'{len(runs) - len(acc)} failed, left out')
-        if len(runs) < job['runs_requested']:
-            notes.append(f"unfinished: {len(runs)} of {job['runs_requested']} runs")
-        notes = f" ({'; '.join(notes)})" if notes else ''
+        failed = len(job['runs']) - len(acc)  # NaN's: not in the statistics
+        notes = f' ({failed} failed, left out)' if failed else ''
         spread = f'standard deviation {100 * acc.std(ddof=1):.2f} %' if len(acc) > 1 else 'one run'
-        of = evaluation_label({**HYP, **job['hyperparameters']})  # HYP: what an older job lacks
         lines.append(f"{side}  {path}: {len(acc)} run{'s' * (len(acc) > 1)}{notes}, final "
-                     f'accuracy ({of}) mean {100 * acc.mean():.2f} %, {spread}')
-    means = [epoch_means(job['runs']) for job in jobs]  # the course of training, side by side
-    lines += ['mean valid accuracy by epoch, %:', table_line(('epoch', *sides))]
-    for epoch in range(max(map(len, means))):
-        cells = [f'{100 * m[epoch]:.2f}' if epoch < len(m) else '' for m in means]
-        lines.append(table_line([epoch + 1, *cells]))
+                     f"accuracy ({evaluation_label(job['hyperparameters'])}) mean "
+                     f'{100 * acc.mean():.2f} %, {spread}')
     a = accuracies[0]
     for side, job, b in list(zip(sides, jobs, accuracies))[1:]:
         differences = job_differences(jobs[0], job, [k for k in JOB_KEYS if k != 'seed'])
+        scripts = [(j['script'] or '').splitlines() for j in (jobs[0], job)]  # None: a notebook's
+        blocks = difflib.SequenceMatcher(None, *scripts, autojunk=False).get_opcodes()
+        changed = sum(max(i2 - i1, j2 - j1) for tag, i1, i2, j1, j2 in blocks if tag != 'equal')
+        if changed:  # README: how to see them
+            differences.insert(1, f"the script's text in {changed} line{'s' * (changed > 1)}")
         lines.append(f"\n{side} differs from A in: {', '.join(differences) or 'nothing recorded'}")
         few = min(len(a), len(b))  # the runs of the smaller side
         w = {}
@@ -1250,32 +1161,29 @@ def compare_lines(paths, plot=None):
 
 
 # ==== The command line, and main ===============================================================
-# --tiny: the recipe on a subset, narrow: seconds on 2 CPU cores; its 184 steps need an EMA of 0.9.
-TINY = dict(epochs=4, batch_size=64, train_images=3000, test_images=500, channels=(8, 16, 32, 64),
-            ema_momentum=0.9, whitening_images=3000, eval_batch_size=250)
-HYP_OPTIONS = ('epochs', 'batch_size')  # their options' None keeps HYP's (TINY's) value
-# What a run of the method needs of each number in HYP (out_of_range): finite, not negative, and:
-AT_LEAST_1 = ('epochs', 'batch_size', 'ema_every', 'channels', 'whitening_images',
-              'augment_options', 'eval_batch_size', 'train_images', 'test_images')
-ABOVE_0 = ('lr_peak', 'bias_lr_scale', 'logit_scale', 'whitening_eps')
-BELOW_1 = ('momentum', 'label_smoothing', 'ema_momentum')
-AT_MOST = dict(pad=31, cutout=32)  # within a 32 x 32 image
+COUNTS = ('epochs', 'batch_size', 'ema_every', 'channels', 'whitening_images', 'augment_options',
+          'eval_batch_size', 'train_images', 'test_images')  # at least 1
 
 
-def out_of_range(name, value):
-    """Why value cannot make a run of the method as hyperparameter name, or None."""
-    if name == 'whitening':
-        return None if value in ('fixed', 'learned', 'none') else 'must be fixed, learned or none'
-    low = 1 if name in AT_LEAST_1 else 0
-    for number in np.atleast_1d(value):
-        if name in ABOVE_0 and not 0 < number < math.inf:
-            return 'must be a finite number above 0'
-        if not low <= number < math.inf:  # NaN too
-            return f'must be a finite number of at least {low}'
-        if name in BELOW_1 and number >= 1:
-            return 'must be below 1'
-        if number > AT_MOST.get(name, math.inf):
-            return f'must be at most {AT_MOST[name]}'
+def hyp_problem(hyp, world=1):
+    """Why hyp cannot make a run, its batches split over world ranks, or None. A strange value is a
+    researcher's to try (a diverging run is said to fail); one that makes no run is refused."""
+    for name, value in hyp.items():
+        low = 1 if name in COUNTS else 0
+        if name not in HYP:
+            return f'{name}: no such hyperparameter (HYP lists them)'
+        if name != 'whitening' and not all(low <= v < math.inf for v in np.atleast_1d(value)):
+            return f'{name}={as_typed(value)}: must be a finite number of at least {low}'
+    if hyp['whitening'] not in ('fixed', 'learned', 'none'):
+        return f"whitening={hyp['whitening']}: must be fixed, learned or none"
+    split, batch = hyp['bn_split_size'], hyp['batch_size']
+    if world > 1 and not split:
+        return ("bn_split_size=0 where torchrun's ranks split each batch: each would normalise its "
+                'share, not the batch; use one process or --spread runs')
+    if batch % (world * (split or 1)):
+        ranks = f' x {world} ranks' if world > 1 else ''
+        return (f"batch_size={batch}: must be a multiple of {world * split} (ghost batch norm's "
+                f'split of {split}{ranks})')
     return None
 
 
@@ -1297,16 +1205,9 @@ def hyp_setting(text):
             parsed = type(default)(value)
         if equals and np.shape(parsed) == np.shape(default):  # a tuple of as many values
             return name, parsed
-    if name not in HYP:
-        why = 'no such hyperparameter'
-        typo = difflib.get_close_matches(name.lower(), HYP, 1)
-        close = typo or [k for k in HYP if k.startswith(f'{name}_')]  # ema: ema_momentum
-        if close:
-            why += f' (did you mean {close[0]}?)'
-    elif not equals:  # --set label_smoothing 0.1
-        why = f"no '=': --set takes NAME=VALUE, as {name}={as_typed(default)}"
-    else:
-        why = f'{name} takes a value like {as_typed(default)}'
+    why = 'no such hyperparameter (--help lists them)'
+    if name in HYP:
+        why = f'not NAME=VALUE as {name}={as_typed(default)}'
     raise argparse.ArgumentTypeError(f'{text!r}: {why}')
 
 
@@ -1324,26 +1225,24 @@ def parse_args(argv, defaults=None):
                                      epilog=f'examples:\n{doc[1]}\n\nREADME.md says more.')
     parser.error = lambda why: parser.exit(2, f'error: {why}; --help lists the options\n')
     add = parser.add_argument
-    add('--epochs', type=int,
-        help=f"training epochs (default: {HYP['epochs']}, --tiny {TINY['epochs']})")
     add('--runs', type=int, default=1, help='runs, with seeds seed, seed+1, ... (default: 1)')
-    add('--batch-size', type=int, help=f"a multiple of {HYP['bn_split_size']} "
-        f"(default: {HYP['batch_size']}, --tiny {TINY['batch_size']})")
+    for name in ('epochs', 'batch_size'):  # the settings changed most, as options too
+        add(f"--{name.replace('_', '-')}", dest='set', action='append', metavar='N',
+            type=lambda n, name=name: set_argument(f'{name}={n}'),
+            help=f'as --set {name}=N (default: {HYP[name]}, --tiny {TINY[name]})')
+    hyp_defaults = ' '.join(f'{name}={as_typed(value)}' for name, value in HYP.items())
+    add('--set', nargs='+', action='extend', metavar='NAME=VALUE', type=set_argument,
+        help=f"hyperparameters, the last value given winning; the defaults (--tiny's: TINY) are "
+        f"{hyp_defaults}; HYP's comments say which turns each of Page's tricks off")
+    add('--seed', type=int, default=0, help='seed of the first run (default: 0)')
     add('--data-dir', default='./data', help=f'holds {BATCHES_DIR}/, or will (default: ./data)')
     add('--data-url', default=os.environ.get('CIFAR10_URL') or CIFAR10_URL,
         help='a mirror, also $CIFAR10_URL; its md5 must be the official one')
     add('--device', default='auto', help='auto (cuda, mps, cpu), cuda, cuda:N, mps or cpu')
     add('--dtype', default='auto', choices=['auto', 'fp16', 'bf16', 'fp32'],
         help='auto: fp16 on cuda, else fp32')
-    add('--seed', type=int, default=0, help='seed of the first run (default: 0)')
-    hyp_defaults = ' '.join(f'{name}={as_typed(value)}' for name, value in HYP.items())
-    tricks_off = '; '.join(f'{instead} instead of {trick}: {name}={value}'
-                           for trick, (instead, name, value) in TRICKS_OFF.items())
-    add('--set', nargs='+', action='extend', default=[], metavar='NAME=VALUE', type=set_argument,
-        help=f"hyperparameters; the defaults (--tiny's: TINY) are {hyp_defaults}. Page's tricks, "
-        f'each off: {tricks_off}')
     add('--tiny', action='store_true', help='an install check: a subset, a narrow net, seconds')
-    add('--json', metavar='PATH', help="write the job: every run's rows, the summary")
+    add('--json', metavar='PATH', help="write the job: every run's rows, the summary, the script")
     add('--save', metavar='PATH', help="save the last finished run's EMA model")
     add('--plot', metavar='PATH', help="draw the runs (or --compare's jobs): .png, .svg, .pdf")
     add('--resume', metavar='PATH', help="continue this --json file's job, in it, with its options")
@@ -1352,8 +1251,7 @@ def parse_args(argv, defaults=None):
         'one GPU; off on mps and for --tiny): a minute or less, once, before the first run')
     add('--spread', choices=['batches', 'runs'], default='batches',
         help='torchrun: split each batch over the ranks, or give each rank whole runs')
-    add('--peak-tflops', type=float, metavar='TFLOPS', help='the peak, for model-FLOP utilisation')
-    parser.set_defaults(**(defaults or {}))
+    parser.set_defaults(**{'set': [], **(defaults or {})})
     return parser.parse_args(argv)
 
 
@@ -1363,69 +1261,29 @@ def in_notebook_cell():
 
 
 def check_options(args, hyp, world, resumed_save=None):
-    """Refuse what cannot make a sensible run, in one line: '--option value: why'."""
-    for name, value in hyp.items():
-        why = out_of_range(name, value)
-        if why is None:
-            continue
-        if name in HYP_OPTIONS and getattr(args, name) is not None:  # --epochs, --batch-size
-            raise UserError(f"--{name.replace('_', '-')} {value}: {why}")
-        raise UserError(f'--set {name}={as_typed(value)}: {why}')
-    split = world * (hyp['bn_split_size'] or 1)  # each rank takes whole splits of ghost batch norm
-    ranks = f' x {world} ranks' if world > 1 else ''
-    peak, batch = args.peak_tflops, hyp['batch_size']
-    checks = [('--runs', args.runs, args.runs >= 1, 'must be at least 1'),
-              ('--batch-size', batch, batch % split == 0, 'must be a positive multiple of '
-               f"{split} (ghost batch norm's split of {hyp['bn_split_size']}{ranks})"),
-              ('--peak-tflops', peak, peak is None or peak > 0, 'must be positive'),
-              ('--json', args.json, args.json is None or args.resume is None,
-               '--resume goes on writing its own file: give --resume alone')]
-    for flag, value, sensible, why in checks:
-        if not sensible:
-            raise UserError(f'{flag} {value!r}: {why}')
-    outputs = {f'--{name}': getattr(args, name) for name in ('json', 'resume', 'save', 'plot')}
-    paths = [os.path.realpath(p) for p in [*outputs.values(), *(args.compare or [])] if p]
-    for flag, path in outputs.items():
+    """Refuse in one line, before any work, what cannot make a sensible job: settings, paths."""
+    why = hyp_problem(hyp, world)
+    if why:
+        raise UserError(f'--set {why}')
+    for flag in ('--json', '--resume', '--save', '--plot'):
+        path, why = getattr(args, flag[2:]), None
+        folder = os.path.dirname(path or '') or '.'
         if path is None:
             continue
-        why = output_problem(flag, path, paths, resumed_save)
+        if not path or os.path.isdir(path):
+            why = 'a folder or nothing (an unset shell variable?): give a file name'
+        elif not (os.path.isdir(folder) and os.access(folder, os.W_OK)):  # files are written beside
+            why = f'its folder {folder} is missing or not writable'
+        elif flag == '--resume' and not os.path.exists(path):
+            why = 'no such file (a new job starts with --json)'
+        elif flag == '--plot' and not importlib.util.find_spec('matplotlib'):
+            why = 'needs matplotlib: pip install matplotlib'
+        elif flag in ('--json', '--save') and path != resumed_save and os.path.exists(path):
+            why = 'exists, and a new job overwrites no file: give another path'
+            if flag == '--json':
+                why += ', or --resume it if it holds this job'
         if why:
             raise UserError(f'{flag} {path!r}: {why}')
-
-
-def output_problem(flag, path, paths, resumed_save=None):
-    """Why a job cannot use path as flag's file (the OS's reason where it gives one), or None."""
-    if not path:
-        return 'an empty path (an unset shell variable?): give a file name'
-    if os.path.isdir(path):
-        return 'a folder: give a file name'
-    if paths.count(os.path.realpath(path)) > 1:
-        return "another option's path too: give each its own"
-    try:  # every file is written through a temporary file beside it
-        tempfile.TemporaryFile(dir=os.path.dirname(path) or '.').close()
-    except OSError as e:
-        return f'cannot write in its folder {os.path.dirname(path) or "."} ({e.strerror})'
-    if flag == '--resume' and not os.path.exists(path):
-        return 'no such file (a new job starts with --json)'
-    if flag == '--plot':  # matplotlib, and a kind of file it writes here
-        try:
-            from matplotlib.figure import Figure
-        except ImportError:
-            return 'needs matplotlib: pip install matplotlib'
-        try:  # a figure with text, in the format of path's extension: .pgf needs TeX installed
-            Figure().text(0, 0, 'x').figure.savefig(io.BytesIO(), format=Path(path).suffix[1:])
-        except Exception as e:  # ValueError: no such format; RuntimeError: no xelatex; ...
-            return 'matplotlib cannot write it here: ' + str(e).split('\n')[0]  # TeX's: pages
-    elif flag != '--resume' and path != resumed_save and os.path.exists(path):  # perhaps a job's
-        instead = '--resume it if it holds this job' if flag == '--json' else 'delete it'
-        return f'exists, and a new job overwrites no file: give another path, or {instead}'
-
-
-def hyp_given(args):
-    """The hyperparameters args give, as (name, value): --epochs, --batch-size, then --set's."""
-    options = [(name, getattr(args, name)) for name in HYP_OPTIONS]
-    return [(name, value) for name, value in options if value is not None] + [
-        hyp_setting(text) for text in args.set]
 
 
 class Job:
@@ -1433,36 +1291,31 @@ class Job:
 
     def __init__(self, args, argv=()):
         self.args, self.argv = args, argv  # as parsed, and as given
-        self.rank, self.local_rank, self.world = torchrun_ranks()
-        self.log = print if self.rank == 0 else lambda *args, **kwargs: None  # rank 0 alone
+        self.rank = int(os.environ.get('RANK', 0))  # as torchrun sets them; alone: rank 0 of 1
+        self.local_rank = int(os.environ.get('LOCAL_RANK', 0))
+        self.world = int(os.environ.get('WORLD_SIZE', 1))
+        self.log = print if self.rank == 0 else silent  # rank 0 alone
         self.path = args.resume or args.json  # the job file: a resumed job goes on writing its own
         self.runs, self.read_back = [], 0  # the finished runs in order, and those read back
-        self.networks = self.started = None  # what train() makes: the networks, its clock's start
+        self.trainer = self.started = None  # what train() makes: the networks, its clock's start
 
     def set_up(self):
         """All that can be refused, before any training (options, files, device, data), then the
         runs read back."""
-        own = {}  # a resumed job's options: those given here win
+        resumed = None
         if self.args.resume and os.path.isfile(self.path):
-            own = read_job(self.path, '--resume')['options']
-        names = [name for name, _ in hyp_given(self.args)]
-        twice = sorted({name for name in names if names.count(name) > 1})
-        if twice:
-            raise UserError(f"{', '.join(twice)}: given two values (an option and --set, or twice)")
-        own_set = [text for text in own.get('set', []) if text.partition('=')[0] not in names]
-        overridden = {name: None for name in HYP_OPTIONS if name in names}  # here, maybe by --set
-        self.args = args = parse_args(self.argv, {**own, **overridden, 'set': own_set})
-        given = dict(hyp_given(args))
-        self.hyp = hyp = {**HYP, **(TINY if args.tiny else {}), **given}
+            resumed = read_job(self.path, '--resume')
+            self.args = parse_args(self.argv, resumed['options'])  # those given here win
+        args = self.args
+        settings = dict(hyp_setting(text) for text in args.set)  # the last value of each
+        self.hyp = hyp = {**HYP, **(TINY if args.tiny else {}), **settings}
         self.spread = args.spread == 'runs' and self.world > 1  # a rank trains whole runs
         self.batch_ranks = 1 if self.spread else self.world  # the ranks a batch is split over
-        check_options(args, hyp, self.batch_ranks, own.get('save'))  # a resumed job rewrites it
-        resumed = None
-        if args.resume:
-            resumed = read_job(self.path, '--resume')
+        resumed_save = resumed['options']['save'] if resumed else None  # rewritten, not refused
+        check_options(args, hyp, self.batch_ranks, resumed_save)
         local_rank = self.local_rank if self.world > 1 else None
         self.device = device = pick_device(args.device, local_rank, share=self.spread)
-        self.compiled = compiles(args, device, self.batch_ranks)
+        self.compiled = compile_mode(args.compile, device, args.tiny, self.batch_ranks)
         self.dtype = pick_dtype(args.dtype, device)
         if self.world > 1:
             join_process_group(device, not self.spread)  # spread: gloo, to gather finished runs
@@ -1473,189 +1326,133 @@ class Job:
         folder = ensure_cifar10(args.data_dir, args.data_url, CIFAR10_MD5)
         if self.world > 1 and self.local_rank == 0:
             dist.barrier()
-        self.data = data = load_cifar10(folder)
-        for kind in ('train', 'test'):  # the first N images: all, or fewer (--tiny, --set)
-            n, available = hyp[f'{kind}_images'], len(data[f'{kind}_images'])
-            if f'{kind}_images' in given and n > available:
-                raise UserError(f'--set {kind}_images={n}: more than the {available} {kind} '
-                                'images of the data')
-            data[f'{kind}_images'] = data[f'{kind}_images'][:n]
-            data[f'{kind}_labels'] = data[f'{kind}_labels'][:n]
-        n_train = len(data['train_images'])
-        if hyp['batch_size'] > n_train:
-            raise UserError(f"--batch-size {hyp['batch_size']}: larger than the {n_train} "
-                            'training images')
-        script = globals().get('__file__')  # none in a notebook cell
-        script_sha256 = 'n/a'
-        if script and os.path.isfile(script):
-            script_sha256 = hashlib.sha256(Path(script).read_bytes()).hexdigest()[:16]
+        data = load_cifar10(folder)
+        self.data = first_images(data, hyp)  # all the data holds, or fewer (--tiny, --set)
+        script, self.script, script_sha256 = globals().get('__file__'), None, 'n/a'
+        if script and os.path.isfile(script):  # no file in a notebook cell
+            text = Path(script).read_bytes()
+            self.script, script_sha256 = text.decode(), hashlib.sha256(text).hexdigest()[:16]
+        n_train = len(self.data['train_images'])
         self.context = dict(  # what the header, --resume and --compare read: the job's identity
             script_sha256=script_sha256, torch=torch.__version__,
             device=device_description(device), ranks=self.batch_ranks, dtype=str(self.dtype),
-            evaluation_dtype=str(self.dtype), compile=self.compiled, hyperparameters=hyp,
-            seed=args.seed, flops=count_flops(hyp, n_train),
-            peak_tflops=peak_tflops(device, self.dtype, args.peak_tflops),
+            compile=self.compiled, hyperparameters=hyp, seed=args.seed,
+            flops=count_flops(hyp, n_train), peak_tflops=peak_tflops(device, self.dtype),
             data=data['provenance'], data_digest=data['digest'], train_images=n_train,
-            test_images=len(data['test_images']))
-        if self.spread:  # the ranks' runs make one job: every rank's settings must be rank 0's
-            contexts = [None] * self.world
-            dist.all_gather_object(contexts, self.context)
-            differ = sorted({d for c in contexts for d in job_differences(contexts[0], c)})
-            if differ:
-                raise UserError(f"the ranks differ in {', '.join(differ)} (rank 0 -> another): a "
-                                "--spread runs job's runs must be one job's; use machines alike")
+            test_images=len(self.data['test_images']))
         if resumed:
-            self.read_back_runs(resumed)
-
-    def read_back_runs(self, job):
-        """Take the resumed job file's runs, if it is this job's with none beyond --runs; rewrite it
-        at once if it asked for other --runs (a finished job resumed as it was keeps its file)."""
-        differences = job_differences(job, json_ready(self.context))
-        if differences:
-            raise UserError(f"--resume {self.path}: that job differs from this one in "
-                            f"{', '.join(differences)}, that job's -> this one's: resume it with "
-                            'the script, kind of device and options it began with, or give a new '
-                            'job its own --json')
-        if job['runs'] and job['runs'][-1]['run'] > self.args.runs:
-            raise UserError(f"--resume {self.path} holds runs up to {job['runs'][-1]['run']}, more "
-                            f"than --runs {self.args.runs}: that job asked for --runs "
-                            f"{job['runs_requested']}")
-        self.runs, self.read_back = job['runs'], len(job['runs'])
-        if self.rank == 0 and job['runs_requested'] != self.args.runs:
-            self.write()
+            differences = job_differences(resumed, json_ready(self.context))
+            if differences:
+                raise UserError(f"--resume {self.path}: that job differs from this one in "
+                                f"{', '.join(differences)}, that job's -> this one's: resume it "
+                                'with the script, kind of device and options it began with, or '
+                                'give a new job its own --json')
+            self.runs, self.read_back = resumed['runs'], len(resumed['runs'])
 
     def train(self):
         """Header, runs read back, warm-up, the missing runs (spread: a run a rank each round)."""
         args, log = self.args, self.log
-        torch.backends.cudnn.benchmark = self.device.type == 'cuda'  # shapes fixed: time kernels
-        torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False  # no TF32
-        warnings.filterwarnings('ignore', message='TensorFloat32 tensor cores')  # inductor's advice
         log('\n'.join(header_lines(self.context, self.world, self.spread)))
-        for run in self.runs:
-            log('\n'.join(run_table_lines(run, args.runs, f', read back from {args.resume}')))
+        if self.runs:
+            log(f'\n{len(self.runs)} run(s) read back from {args.resume}')
         missing = sorted(set(range(1, args.runs + 1)) - {run['run'] for run in self.runs})
-        if missing:
-            log(f"\n{'compilation, then ' if self.compiled else ''}warm-up: untimed runs of 2 "
-                'steps and 2 evaluation batches (one on a CPU) take the one-off costs', flush=True)
-            self.networks, self.compiled = compiled_warm_up(
-                self.data, self.hyp, self.device, self.dtype, self.compiled, log,
-                0 if self.spread else self.rank, self.batch_ranks)  # this rank of those in a batch
-        self.started = self.kept_at = time.perf_counter()
+        if not missing:
+            return
+        log(f"\n{'compilation, then ' if self.compiled else ''}warm-up: untimed runs of 2 steps "
+            'take the one-off costs', flush=True)
+        rank_in_batch = 0 if self.spread else self.rank
+        self.trainer = warmed_up_trainer(self.data, self.hyp, self.device, self.dtype,
+                                         self.compiled, log, rank_in_batch, self.batch_ranks)
+        self.started = time.perf_counter()
         round_size = self.world if self.spread else 1  # spread: a run a rank at a time
-        mine = self.rank if self.spread else 0  # this rank's run of a round
+        this_rank = self.rank if self.spread else 0  # its run of each round
         for first in range(0, len(missing), round_size):
             runs = missing[first:first + round_size]
-            record = self.train_one(runs[mine]) if mine < len(runs) else None  # spread: maybe none
-            self.keep([record] if record else [], saved=record)
-            run_s = (self.kept_at - self.started) / (first // round_size + 1)
-            rounds_left = len(missing[first + round_size::round_size])
-            if run_s > 60 and rounds_left:  # a CPU, a small GPU: when the job should end
-                end = time.ctime(time.time() + run_s * rounds_left)[:16]
-                log(f'\na run takes about {run_s / 60:.1f} min: the job should end about {end}')
+            record = None
+            if this_rank < len(runs):  # a spread job's last round may leave ranks idle
+                record = self.train_one(runs[this_rank])
+            records = [record]
             if self.spread:  # every rank's run of the round, to every rank
                 records = [None] * self.world
                 try:
                     dist.all_gather_object(records, record)
-                except RuntimeError:  # gloo's "Connection closed by peer": another rank stopped
+                except RuntimeError:  # gloo's "Connection closed by peer": a rank stopped
                     raise KeyboardInterrupt from None  # so this one stops as at Ctrl-C
-                self.keep([r for r in records if r])
+            self.keep([r for r in records if r], saved=record)
 
     def train_one(self, run):
-        """Train the run (a spread job prints its table whole, once kept); its record."""
+        """Train the run, its rows printed as they come (a spread job's: in keep); its record."""
         seed = self.args.seed + run - 1
-        live = self.log if not self.spread else lambda *args, **kwargs: None
+        live = silent if self.spread else self.log
         live(f'\nrun {run}/{self.args.runs} (seed {seed})\n{table_line(COLUMNS)}', flush=True)
-        rows = train_run(self.data, self.networks, self.hyp, seed,
+        rows = train_run(self.data, self.trainer, self.hyp, seed,
                          lambda row: live(table_line(row[k] for k in ROW_KEYS), flush=True))
         failed = not all(math.isfinite(rows[-1][k]) for k in ('train_loss', 'valid_loss'))  # NaN
-        record = dict(run=run, seed=seed, failed=failed, compiled=self.compiled, rows=rows,
+        record = dict(run=run, seed=seed, failed=failed, rows=rows,
                       accuracy=rows[-1]['valid_acc'], time_s=rows[-1]['total_time'])
         if failed:
             live(run_table_lines(record, self.args.runs)[-1])  # FAILED, below its rows
         return record
 
     def keep(self, records, saved=None):
-        """Add the new finished runs; on rank 0 rewrite the job file and --save (saved's model)."""
-        kept = {run['run'] for run in self.runs}
-        records = [record for record in records if record['run'] not in kept]
-        if not records:
-            return
-        self.runs = sorted(self.runs + records, key=lambda run: run['run'])
+        """Add the finished runs once rank 0 wrote them to the job file (saved's EMA: --save)."""
+        runs = sorted(self.runs + records, key=lambda run: run['run'])
         self.kept_at = time.perf_counter()
-        if self.rank == 0:
-            self.write(saved)
-        if self.spread:  # its table, whole, from rank 0
+        if self.rank == 0 and self.path:
+            files = ('json', 'resume', 'plot')  # not the job's settings
+            options = {k: v for k, v in vars(self.args).items() if k not in files}
+            job = {'format': JOB_FORMAT, **json_ready(dict(
+                self.context, options=options, runs_finished=len(runs),
+                runs_requested=self.args.runs, runs=runs, summary=self.summary(runs),
+                script=self.script))}
+            text = json.dumps({**job, 'sha256': job_sha256(job)}, indent=1)
+            write_atomically(self.path, text.encode(), '--json')
+        self.runs = runs
+        if self.rank == 0 and self.args.save and saved and not saved['failed']:
+            state = {k: v.cpu() for k, v in self.trainer.ema.state_dict().items()}
+            checkpoint = dict(state_dict=state, hyperparameters=self.hyp, classes=CLASSES,
+                              mean=CIFAR10_MEAN, std=CIFAR10_STD, run=saved['run'],
+                              seed=saved['seed'], accuracy=saved['accuracy'])
+            memory = io.BytesIO()
+            torch.save(checkpoint, memory)  # then written whole, or not at all
+            write_atomically(self.args.save, memory.getvalue(), '--save')
+        if self.spread:  # the round's tables, whole, from rank 0
             for run in records:
                 self.log('\n'.join(run_table_lines(run, self.args.runs)), flush=True)
 
-    def write(self, saved=None):
-        """Rewrite the job file and --save (saved: the run whose EMA model it is)."""
-        args, runs = self.args, self.runs
-        try:
-            if self.path:
-                not_kept = ('json', 'resume', 'plot')  # the files, not the job's options
-                options = {k: v for k, v in vars(args).items() if k not in not_kept}
-                job = {'format': JOB_FORMAT, **json_ready(dict(
-                    self.context, options=options, runs_finished=len(runs),
-                    runs_requested=args.runs, runs=runs, summary=self.summary()))}
-                text = json.dumps({**job, 'sha256': job_sha256(job)}, indent=1)
-                write_atomically(self.path, text.encode(), '--json')
-            if args.save and saved and not saved['failed']:  # what it takes to rebuild the model
-                state = {k: v.cpu() for k, v in self.networks.ema.state_dict().items()}
-                checkpoint = dict(state_dict=state, hyperparameters=self.hyp, classes=CLASSES,
-                                  mean=CIFAR10_MEAN, std=CIFAR10_STD, run=saved['run'],
-                                  seed=saved['seed'], accuracy=saved['accuracy'])
-                memory = io.BytesIO()
-                torch.save(checkpoint, memory)  # then written whole, or not at all
-                write_atomically(args.save, memory.getvalue(), '--save')
-        except UserError as e:
-            then = 'run the same command again'
-            if self.path and Path(self.path).exists():
-                then = f'--resume {self.path} trains the runs it lacks'
-            raise UserError(f'{e}: the job stopped; fix that, then {then}') from None
-
-    def summary(self):
-        """The summary of the runs kept (read back too) and the throughput."""
-        args, trained = self.args, len(self.runs) - self.read_back
-        summary = summarize(self.runs, not args.tiny, self.context['flops']['run'],
-                            self.context['peak_tflops'], self.batch_ranks, self.hyp)
-        summary['acc_by_epoch'] = epoch_means(self.runs)
-        if args.resume:
-            summary.update(read_back=self.read_back, resumed_from=args.resume)
+    def summary(self, runs):
+        """The summary of runs (read back too), and the pace of those trained here."""
+        summary = summarize(runs, self.context['flops']['run'], self.context['peak_tflops'],
+                            self.batch_ranks, self.hyp)
+        trained = len(runs) - self.read_back
         if trained:
-            wall = self.kept_at - self.started  # to the end of the last run kept
-            summary.update(wall_s=wall, runs_per_hour=3600 * trained / wall, ranks=self.world)
+            summary.update(trained=trained, wall_s=self.kept_at - self.started, ranks=self.world)
         return summary
 
     def end(self, status):
-        """Leave the group, say what a stopped job left, the summary, and draw --plot, while Ctrl-C
-        and torchrun's SIGTERM are dropped. Returns the status, 1 if --plot cannot be written."""
-        main_thread = threading.current_thread() is threading.main_thread()  # it sets handlers
-        signals = [signal.SIGINT, signal.SIGTERM] if main_thread else []
-        signals = [s for s in signals if signal.getsignal(s) is not None]  # Python's: restorable
-        before = [signal.signal(s, lambda *args: None) for s in signals]  # pending ones too
+        """Leave the group, say what a stopped job left, the summary, and draw --plot, with Ctrl-C
+        and torchrun's SIGTERM ignored. Returns the status, 1 if --plot cannot be drawn."""
+        ignored = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
-            self.networks = None  # its DDP model holds the process group
-            leave_process_group()
+            self.trainer = None  # its DDP model holds the process group
+            if dist.is_initialized():  # now: gloo's threads, left to Python's shutdown, abort
+                dist.destroy_process_group()
             if status == 130:
-                then = '; no run was finished: run the same command again' if self.path else ''
-                if self.path and Path(self.path).exists():  # as kept: Ctrl-C may have cut keep()
-                    self.runs = read_job(self.path, '--json')['runs']
-                    then = f'; --resume {self.path} goes on'
-                finished = f': summary of the {len(self.runs)} finished run(s)' if self.runs else ''
-                self.log(f'\ninterrupted{finished}{then}')
+                then = f'; --resume {self.path} goes on' if self.runs and self.path else ''
+                self.log(f'\ninterrupted after {len(self.runs)} finished run(s){then}')
             if self.runs:
-                self.log('\n' + '\n'.join(summary_lines(self.summary())))
+                self.log('\n' + '\n'.join(summary_lines(self.summary(self.runs))))
             if self.args.plot and self.rank == 0 and (self.runs or self.started is not None):
                 job = dict(self.context, options=vars(self.args), runs=self.runs)
                 try:
                     plot_jobs(self.args.plot, [job])
-                except UserError as e:
-                    print(f'error: {e}', file=sys.stderr)
+                except Exception as e:  # a full disk; a .pgf whose TeX fails: the job is whole
+                    why = str(e).strip().split('\n')[0]
+                    print(f'error: --plot {self.args.plot} not drawn: {why}', file=sys.stderr)
                     return status or 1
             return status
         finally:
-            for s, handler in zip(signals, before):
+            for s, handler in ignored.items():
                 signal.signal(s, handler)
 
 
@@ -1671,7 +1468,7 @@ def main(argv=None):
     status = 0
     try:
         if args.compare:  # trains nothing: print the comparison of the jobs
-            check_options(args, HYP, 1)  # the paths: --plot's, and the jobs not to draw over
+            check_options(args, HYP, 1)  # --plot's path
             print('\n'.join(compare_lines(args.compare, args.plot)))
             return 0
         job.set_up()
@@ -1689,12 +1486,8 @@ def main(argv=None):
 
 
 if __name__ == '__main__':
-    try:
-        status = main()
-        sys.stdout.flush()  # here, not at exit: a closed pipe then fails inside the try
-    except BrokenPipeError:  # the reader left (`| head`): stop quietly, as Unix tools do
-        for stream in (sys.stdout, sys.stderr):  # what exit flushes goes nowhere, not to the pipe
-            os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())
-        status = 141  # 128 + SIGPIPE: what a shell reports for a tool that a closed pipe stopped
+    if hasattr(signal, 'SIGPIPE'):  # the reader left (`| head`): stop quietly, as Unix tools do
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    status = main()
     if status and not in_notebook_cell():  # SystemExit in a cell would print a traceback
         sys.exit(status)
