@@ -1182,10 +1182,10 @@ def test_a_mirror_is_used_and_still_checked_against_the_official_md5(tmp_path, s
     archive, md5 = make_archive(tmp_path)
     files['/mirror/cifar-10-python.tar.gz'] = archive
     # a mirror serving anything but the official archive is refused, and nothing is kept
-    assert T.main(['--tiny', '--data-dir', str(tmp_path / 'data'), '--data-url', url + '/mirror/cifar-10-python.tar.gz']) == 1
+    monkeypatch.setenv('CIFAR10_URL', url + '/mirror/cifar-10-python.tar.gz')   # a notebook's os.environ too
+    assert T.main(['--tiny', '--data-dir', str(tmp_path / 'data')]) == 1
     assert f'not {T.CIFAR10_MD5}' in capsys.readouterr().err and leftovers(tmp_path / 'data') == []
-    monkeypatch.setattr(T, 'CIFAR10_MD5', md5)                   # pretend the generated archive is official
-    monkeypatch.setenv('CIFAR10_URL', url + '/mirror/cifar-10-python.tar.gz')   # the notebook's way
+    monkeypatch.setattr(T, 'ensure_cifar10', partial(T.ensure_cifar10, md5=md5))   # as if the archive were official
     assert T.main(['--tiny', '--epochs', '1', '--batch-size', '32', '--data-dir', str(tmp_path / 'data')]) == 0
     assert len(hits) == 2 and (tmp_path / 'data' / T.BATCHES_DIR).is_dir()
 
@@ -2539,7 +2539,7 @@ def test_main_returns_the_status_of_a_usage_error_or_help(capsys):
     err = capsys.readouterr().err
     assert err.startswith("error: argument --dtype: invalid choice: 'fp8'") and err.count('\n') == 1
     assert T.main(['--help']) == 0
-    assert '--data-url' in capsys.readouterr().out
+    assert '--data-dir' in capsys.readouterr().out
 
 
 def test_pasted_into_a_notebook_cell(dataset, tmp_path):

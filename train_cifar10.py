@@ -563,10 +563,10 @@ class UserError(ValueError):
     """A problem the user can fix: main prints the message on one line and exits non-zero."""
 
 
-def ensure_cifar10(data_dir, url=CIFAR10_URL, md5=CIFAR10_MD5):
-    """The folder of the batch files, data_dir or its cifar-10-batches-py, downloaded if missing
-    through a part file and a staging folder: what it makes is whole or absent."""
-    data_dir = Path(data_dir)
+def ensure_cifar10(data_dir, url=None, md5=CIFAR10_MD5):
+    """The folder of the batch files, data_dir or its cifar-10-batches-py; if missing, downloaded
+    (url, else $CIFAR10_URL, else the official one) through a part file and a staging folder."""
+    data_dir, url = Path(data_dir), url or os.environ.get('CIFAR10_URL') or CIFAR10_URL
     if (data_dir / 'data_batch_1').is_file():
         return data_dir
     archive = data_dir / CIFAR10_URL.rsplit('/', 1)[-1]  # the official name, from any mirror
@@ -770,10 +770,9 @@ def compiled_step_error(trainer, x, y, hyp):
 
 # ==== torchrun: the ranks split each batch (the default) or train whole runs (--spread runs) ====
 def join_process_group(device, split_batches=True):
-    """Join torchrun's ranks: NCCL for GPUs that split batches, else gloo (waiting up to 7 days:
-    a rank of --spread runs waits for the slowest run of each round)."""
-    # Imported now: imported later (by DDP), its functions' default arguments would hold the group,
-    # and gloo's threads would outlive destroy_process_group, and abort in Python's shutdown.
+    """Join torchrun's ranks: NCCL for GPUs that split batches, else gloo (waiting up to 7 days
+    for a round's slowest run). torch.distributed.nn first: imported later (by DDP), its defaults
+    would hold the group, whose gloo threads would outlive it and abort in Python's shutdown."""
     import torch.distributed.nn  # noqa: F401
     nccl = device.type == 'cuda' and split_batches
     if device.type == 'cuda':
@@ -1236,8 +1235,6 @@ def parse_args(argv, defaults=None):
         f"{hyp_defaults}; HYP's comments say which turns each of Page's tricks off")
     add('--seed', type=int, default=0, help='seed of the first run (default: 0)')
     add('--data-dir', default='./data', help=f'holds {BATCHES_DIR}/, or will (default: ./data)')
-    add('--data-url', default=os.environ.get('CIFAR10_URL') or CIFAR10_URL,
-        help='a mirror, also $CIFAR10_URL; its md5 must be the official one')
     add('--device', default='auto', help='auto (cuda, mps, cpu), cuda, cuda:N, mps or cpu')
     add('--dtype', default='auto', choices=['auto', 'fp16', 'bf16', 'fp32'],
         help='auto: fp16 on cuda, else fp32')
@@ -1323,7 +1320,7 @@ class Job:
             signal.signal(signal.SIGTERM, signal.default_int_handler)
         if self.world > 1 and self.local_rank != 0:  # one rank a machine downloads; others wait
             dist.barrier()
-        folder = ensure_cifar10(args.data_dir, args.data_url, CIFAR10_MD5)
+        folder = ensure_cifar10(args.data_dir)
         if self.world > 1 and self.local_rank == 0:
             dist.barrier()
         data = load_cifar10(folder)
