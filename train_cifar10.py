@@ -1204,7 +1204,7 @@ def hyp_setting(text):
             parsed = type(default)(value)
         if equals and np.shape(parsed) == np.shape(default):  # a tuple of as many values
             return name, parsed
-    why = 'no such hyperparameter (--help lists them)'
+    why = 'no such hyperparameter'
     if name in HYP:
         why = f'not NAME=VALUE as {name}={as_typed(default)}'
     raise argparse.ArgumentTypeError(f'{text!r}: {why}')
