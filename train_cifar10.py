@@ -658,9 +658,9 @@ def first_images(data, hyp):
 def pick_device(name, local_rank=None, share=False):
     """The training device: the one named, or for auto the best there is; under torchrun the GPU
     of the rank's LOCAL_RANK (share: LOCAL_RANK modulo the GPUs, for ranks that outnumber them)."""
-    given = name
     if name == 'auto':
-        name = (torch.accelerator.current_accelerator() or torch.device('cpu')).type
+        accelerator = torch.accelerator.current_accelerator(check_available=True)  # None: a CPU
+        name = 'cpu' if accelerator is None else accelerator.type
     try:
         device = torch.device(name)
         if device.type == 'cuda' and local_rank is not None:
@@ -671,8 +671,8 @@ def pick_device(name, local_rank=None, share=False):
         torch.empty(1, device=device)  # raises where torch cannot compute on it
     except (RuntimeError, AssertionError) as e:  # AssertionError: a torch built without CUDA
         why = str(e).strip().split('\n')[0]
-        raise UserError(f'--device {given}: torch cannot train on {name} here ({why}); choose '
-                        'auto, cuda, cuda:N, mps or cpu') from None
+        raise UserError(f'--device {name}: torch cannot train on it here ({why}); choose auto, '
+                        'cuda, cuda:N, mps or cpu') from None
     return device
 
 
