@@ -232,6 +232,17 @@ def test_crop_is_the_window_at_its_offsets():
         assert torch.equal(crop, image[:, y:y + 32, x:x + 32])
 
 
+def test_crop_uploads_its_indices_in_one_copy():
+    """A copy from the CPU to a GPU waits for the GPU: the indices of its 81 offsets go in one (a
+    meta device stands for the GPU: a copy to it is an operation, as to a GPU)."""
+    padded = torch.empty(400, 3, 40, 40, device='meta')
+    top, left = torch.randint(0, 9, (2, 400))
+    with OpLog() as log:
+        crops = T.crop(padded, top, left, 32)
+    assert crops.shape == (400, 3, 32, 32) and crops.device.type == 'meta'
+    assert log.ops.count('aten._to_copy') + log.ops.count('aten.copy_') == 1
+
+
 def test_crop_slices_and_never_gathers_with_expanded_indices():
     padded = torch.rand(40, 3, 40, 40)
     top, left = torch.randint(0, 9, (2, 40))
@@ -664,6 +675,8 @@ def test_optimiser_groups_lr_and_weight_decay():
     assert {id(p) for p in weights['params']} == convs | {id(model.layer2[0].bias)}  # frozen BN scales left out
     assert weights['lr_scale'] == pytest.approx(1 / 512) and weights['weight_decay'] == pytest.approx(0.256)
     assert biases['lr_scale'] == pytest.approx(64 / 512) and biases['weight_decay'] == pytest.approx(0.004)
+    _, off = T.optimiser(model, {**hyp, 'bias_lr_scale': 0.0}).groups   # 0: off, the weights' rate and decay
+    assert off['lr_scale'] == weights['lr_scale'] and off['weight_decay'] == weights['weight_decay']
 
 
 def test_optimiser_is_pages_nesterov_update_over_the_real_schedule():
@@ -1465,9 +1478,9 @@ def test_label_smoothing_off_is_plain_cross_entropy():
 def test_the_header_and_summary_say_what_valid_accuracy_is_of():
     hyp = {**T.HYP, **T.TINY}
     header = T.header_lines(header_context(hyp))
-    assert 'valid = accuracy (flip-TTA, EMA); total time' in header[-1]
+    assert 'valid = accuracy (flip-TTA, EMA) and label-smoothed loss; total time' in header[-1]
     header = T.header_lines(header_context({**hyp, **ALL_TRICKS_OFF}))
-    assert header[-1].startswith('valid = accuracy (no TTA, no EMA: the trained weights); total time')
+    assert header[-1].startswith('valid = accuracy (no TTA, no EMA: the trained weights) and label-smoothed')
     runs = [dict(run=i, seed=i, failed=False, accuracy=acc, time_s=1.0,
                  rows=[dict(valid_acc=acc, plain_acc=plain)]) for i, (acc, plain) in enumerate([(0.5, 0.4), (0.7, 0.5)])]
     lines = T.summary_lines(T.summarize(runs, hyp=hyp))
@@ -2029,7 +2042,7 @@ def test_resume_rewrites_its_own_files_and_no_other(finished_job, tmp_path, monk
     no_training(monkeypatch)
     assert T.main([*options, '--runs', '2', '--resume', str(path), '--save', str(notes)]) == 1
     assert capsys.readouterr().err == (f"error: --save '{notes}': exists, and a new job overwrites no "
-                                       'file: give another path\n')
+                                       'file: give another path, or --resume its job\n')
     assert notes.read_text() == 'my notes'
 
 
@@ -2098,6 +2111,9 @@ def test_set_changes_any_hyperparameter_and_resume_and_compare_carry_it(finished
     ('lr_peak=inf', 1, 'error: --set lr_peak=inf: must be a finite number of at least 0\n'),
     ('weight_decay=-5e-4', 1, 'error: --set weight_decay=-0.0005: must be a finite number of at least 0\n'),
     ('train_images=0', 1, 'error: --set train_images=0: must be a finite number of at least 1\n'),
+    ('label_smoothing=1.5', 1, 'error: --set label_smoothing=1.5: must be a finite number of at least 0 and at most 1\n'),
+    ('pad=32', 1, 'error: --set pad=32: must be a finite number of at least 0 and at most 31\n'),  # reflect-pad
+    ('cutout=33', 1, 'error: --set cutout=33: must be a finite number of at least 0 and at most 32\n'),
 ])
 def test_a_set_that_names_nothing_does_not_parse_or_cannot_make_the_run_is_refused_in_one_line(
         dataset, monkeypatch, capsys, setting, status, message):
@@ -2126,6 +2142,7 @@ def test_the_defaults_make_a_run_and_what_makes_none_is_refused():
                                  ('lr_peak', -1.0, True), ('lr_peak', math.inf, True), ('lr_floor', math.nan, True),
                                  ('channels', (8, 16, 32, 64), False), ('channels', (8, 0, 32, 64), True),
                                  ('epochs', 1, False), ('epochs', 0, True), ('whitening', 'none', False),
+                                 ('label_smoothing', 1.0, False), ('pad', 31, False), ('cutout', 32, False),
                                  ('dropout', 0.1, True)]:
         assert (T.hyp_problem({**T.HYP, name: value}) is not None) == refused, (name, value)
 
@@ -2434,7 +2451,7 @@ def test_json_on_a_job_file_refuses_to_overwrite_it(finished_job, tmp_path, monk
     for file in (path, notes):
         assert T.main([*finished_job[1], '--runs', '4', '--json', str(file)]) == 1
         assert capsys.readouterr().err == (f"error: --json '{file}': exists, and a new job overwrites no file: "
-                                           'give another path, or --resume it if it holds this job\n')
+                                           'give another path, or --resume its job\n')
     assert path.read_bytes() == text and notes.read_text() == 'my notes'
 
 
@@ -2518,7 +2535,7 @@ def test_a_mistaken_path_gets_one_line(dataset, tmp_path, monkeypatch, capsys, a
     ('--json', 'missing/r.json', r'its folder .*/missing is missing or not writable$'),
     ('--plot', 'a_file/r.png', r'its folder .*/a_file is missing or not writable$'),
     ('--save', '.', "': a folder or nothing"),
-    ('--save', 'a_file', "': exists, and a new job overwrites no file: give another path$"),
+    ('--save', 'a_file', "': exists, and a new job overwrites no file: give another path, or --resume its job$"),
     ('--plot', '.', "': a folder or nothing"),
 ])
 def test_output_paths_are_refused_before_any_work(dataset, tmp_path, monkeypatch, capsys, option, path, message):
@@ -2581,10 +2598,14 @@ for name, compile in [('eager_nchw', False), ('compiled', 'default')]:   # throu
     trainer = T.TRAINERS[json.dumps(hyp, sort_keys=True), 'cpu', torch.float32, compile]
     compiled, net = graphs['unique_graphs'], copy.deepcopy(trainer.network.state_dict())
     if compile:                                   # a second call, with another seed: no compile, no warm-up
-        T.warmed_up_trainer = None
+        warm_up, T.warmed_up_trainer = T.warmed_up_trainer, None
         T.train(data, hyp, seed=1, device='cpu', compile=compile)
+        T.warmed_up_trainer = warm_up
     torch.save(dict(rows=rows, net=net, ema=model.state_dict(), graphs=compiled,
                     graphs_after=graphs['unique_graphs'], trainers=len(T.TRAINERS)), f'{out}/{{name}}.pt')
+torch._dynamo.config.cache_size_limit = 1        # a graph a function: other settings compile only if
+T.train(data, {{**hyp, 'channels': (8, 16, 32, 32)}}, device='cpu', compile='default')   # the last's went
+torch.save(dict(graphs=graphs['unique_graphs'], trainers=len(T.TRAINERS)), f'{out}/other_settings.pt')
 wide = T.Trainer(hyp, torch.device('cpu'), torch.float64, False)   # the same run in float64: a reference
 rows = T.train_run(T.first_images(data, hyp), wide, hyp, 0, T.silent)
 torch.save(dict(rows=rows, net=wide.network.state_dict(), ema=wide.ema.state_dict()), f'{out}/float64.pt')
@@ -2676,7 +2697,9 @@ def test_compiled_and_channels_last_training_equals_eager_nchw_and_never_recompi
     numbers compiled by inductor, in channels_last, and eager in NCHW, both through train() from
     Python, up to fp32's rounding; after the compilation pass and the warm-up, runs recompile nothing,
     as torch's recompile log shows, and a second call of train() with the same settings compiles and
-    warms up nothing (dynamo's count of graphs; the warm-up there is gone). One step, not more: after
+    warms up nothing (dynamo's count of graphs; the warm-up there is gone), while other settings
+    replace the Trainer and its graphs: compiled, with torch.compile held to one graph a function
+    (dynamo would run the graph past its limit eager, saying only a warning). One step, not more: after
     a second step a near-tie flipped in max-pooling can send a gradient to another pixel.
     Each tensor after the step is compared with the same run in float64: the compiled one may be at
     most 4 times as far from it as eager's, and at least 4 x 256 x 2^-24 of the tensor's norm. 256 x
@@ -2690,7 +2713,9 @@ def test_compiled_and_channels_last_training_equals_eager_nchw_and_never_recompi
     assert 'Recompiling' not in stderr
     reference = torch.load(folder / 'eager_nchw.pt')
     other = torch.load(folder / 'compiled.pt')
-    assert reference['graphs'] == 0 < other['graphs'] == other['graphs_after'] and other['trainers'] == 2
+    assert reference['graphs'] == 0 < other['graphs'] == other['graphs_after'] and other['trainers'] == 1
+    replaced = torch.load(folder / 'other_settings.pt')             # compiled, not eager past the limit
+    assert replaced['graphs'] > other['graphs_after'] and replaced['trainers'] == 1
     for key in ('train_loss', 'valid_loss'):
         assert other['rows'][0][key] == pytest.approx(reference['rows'][0][key], rel=1e-4)
     for key, images in (('train_acc', 64), ('valid_acc', 200)):

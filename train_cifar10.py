@@ -33,12 +33,12 @@ HYP = dict(
     floor_epochs=2,          # Page 8: the rate ends above 0, so the weights the EMA averages move
     momentum=0.9,            # Page: Nesterov momentum
     weight_decay=5e-4,       # Page; times batch_size per step, see above
-    bias_lr_scale=64.0,      # Page 8: batch-norm biases take lr x 64 and weight decay / 64
+    bias_lr_scale=64.0,      # Page 8: batch-norm biases take lr x 64 and weight decay / 64; 0: off
     label_smoothing=0.2,     # Page 8: targets 0.8 x one-hot + 0.2 x uniform; 0: off
     ema_momentum=0.99,       # Page 8: EMA of weights and BN statistics, ~an epoch; 0: off
     ema_every=5,             # ... applied every 5 steps as momentum**5: more often did not help
     bn_split_size=32,        # Page 8: ghost batch norm over 32 images; 0: over the whole batch
-    bn_scale_frozen=True,    # Page 8: batch-norm scales fixed at 1; False: learned (alone)
+    bn_scale_frozen=True,    # Page 8: batch-norm scales fixed at 1; False: learned, all else kept
     celu_alpha=0.3,          # Page 8: CELU(0.3), a smooth ReLU; 0: ReLU (CELU's limit)
     logit_scale=1 / 16,      # Page: logits x 1/16, a fixed temperature of the softmax
     whitening='fixed',       # Page 8: a fixed whitening; 'learned' (and decayed); 'none': a conv
@@ -90,11 +90,12 @@ def draw_augmentation(n, hyp, generator):
 
 
 def crop(padded, top, left, size):
-    """Image i's size x size window at (top[i], left[i]), i.e. padded[i, :, top:top + size,
-    left:left + size] for each i (top, left on the CPU), cut as one slice for each offset."""
+    """Image i's size x size window at (top[i], left[i]), cut as one slice an offset."""
     crops = padded.new_empty(len(padded), padded.shape[1], size, size)
-    for y, x in set(zip(top.tolist(), left.tolist())):  # 81 offsets for a pad of 4
-        index = torch.nonzero((top == y) & (left == x)).flatten().to(padded.device)
+    offsets = sorted(set(zip(top.tolist(), left.tolist())))  # 81 for a pad of 4
+    groups = [torch.nonzero((top == y) & (left == x)).flatten() for y, x in offsets]  # on the CPU
+    indices = torch.cat(groups).to(padded.device).split(list(map(len, groups)))  # one upload
+    for (y, x), index in zip(offsets, indices):
         window = padded[:, :, y:y + size, x:x + size]
         crops.index_copy_(0, index, window.index_select(0, index))
     return crops
@@ -211,8 +212,8 @@ class GhostBatchNorm(nn.BatchNorm2d):
 
 def conv_bn(c_in, c_out, hyp, pool=False, conv=None):
     """3x3 conv (or conv; no bias: batch norm follows), optional 2x2 max-pool, ghost batch norm,
-    CELU. Page pools before batch norm, a quarter of its work (it cost 0.1 %, won back by an epoch).
-    CELU is smooth where ReLU bends at 0: easier to optimise (Page 8: 94.1 -> 94.3 %)."""
+    CELU. Page pools before batch norm, a quarter of its work: 0.1 % less accuracy, which one more
+    epoch won back. CELU, smooth where ReLU bends, is easier to train (Page 8: 94.1 -> 94.3 %)."""
     conv = nn.Conv2d(c_in, c_out, 3, padding=1, bias=False) if conv is None else conv
     return nn.Sequential(conv, *([nn.MaxPool2d(2)] if pool else []),
                          GhostBatchNorm(c_out, hyp['bn_split_size'], hyp['bn_scale_frozen']),
@@ -237,7 +238,7 @@ class ResNet9(nn.Module):
     def __init__(self, whitening, hyp):
         super().__init__()
         prep, c1, c2, c3 = hyp['channels']
-        learned = hyp['whitening'] == 'learned'  # 'none': a plain 3x3 conv, Page's before it
+        learned = hyp['whitening'] == 'learned'  # 'none': a plain 3x3 conv, as Page's first nets
         first = None if hyp['whitening'] == 'none' else WhitenedPrep(whitening, prep, learned)
         self.prep = conv_bn(3, prep, hyp, conv=first)
         self.layer1 = nn.Sequential(conv_bn(prep, c1, hyp, pool=True), Residual(c1, hyp))
@@ -337,14 +338,13 @@ class Nesterov:
 
 def optimiser(model, hyp):
     """Page's two groups: the batch-norm biases (bias_lr_scale) and every other trainable weight.
-    What a run asks of it, and of another optimiser put here: reset() once a run's weights are
-    drawn (zero its state, read the weights); step(lr) after each backward of the summed loss;
-    masters, {weight: its fp32 copy}, which the EMA averages ({} for one that keeps none)."""
+    Another optimiser put here needs reset() once a run's weights are drawn, step(lr) after each
+    backward of the summed loss, and masters ({weight: the tensor it updates} or {}) for the EMA."""
     norm_biases = {id(m.bias) for m in model.modules() if isinstance(m, nn.BatchNorm2d)}
     trainable = [p for p in model.parameters() if p.requires_grad]
     biases = [p for p in trainable if id(p) in norm_biases]
     weights = [p for p in trainable if id(p) not in norm_biases]
-    b, wd, k = hyp['batch_size'], hyp['weight_decay'], hyp['bias_lr_scale']
+    b, wd, k = hyp['batch_size'], hyp['weight_decay'], hyp['bias_lr_scale'] or 1  # 0: off, x 1
     return Nesterov([dict(params=weights, lr_scale=1 / b, weight_decay=wd * b),
                      dict(params=biases, lr_scale=k / b, weight_decay=wd * b / k)], hyp['momentum'])
 
@@ -432,7 +432,7 @@ def train_epoch(trainer, images, labels, epoch, steps, hyp):
     for them), the last lr. The EMA updates after batches 0, 5, 10, ... (off: after the last)."""
     batch = hyp['batch_size'] // trainer.world  # this process's images of a step
     ema_steps = range(0, steps, hyp['ema_every']) if hyp['ema_momentum'] else [steps - 1]
-    ema_momentum = hyp['ema_momentum'] ** hyp['ema_every']  # a step's, applied every ema_every
+    update_momentum = hyp['ema_momentum'] ** hyp['ema_every']  # an update's, every ema_every steps
     loss_sum = correct = 0  # tensors on the device after the first step
     for i in range(steps):
         step = (epoch - 1) * steps + i + 1  # the schedule at the step's end: the first lr is not 0
@@ -444,7 +444,7 @@ def train_epoch(trainer, images, labels, epoch, steps, hyp):
         trainer.optimiser.step(lr)
         if i in ema_steps:
             average_over_ranks(trainer.batch_norm_statistics, trainer.world)
-            ema_update(trainer.ema_state, trainer.trained_state, ema_momentum)
+            ema_update(trainer.ema_state, trainer.trained_state, update_momentum)
         loss_sum += loss.detach()
         correct += (logits.argmax(1) == y).sum()
     return loss_sum, correct, lr
@@ -690,15 +690,14 @@ def compile_mode(option, device, tiny=False, batch_ranks=1):
         option = device.type != 'mps' and not tiny
     if not option:
         return False
-    if device.type == 'cuda' and batch_ranks == 1:
-        return 'reduce-overhead'
-    return 'default'
+    return 'reduce-overhead' if device.type == 'cuda' and batch_ranks == 1 else 'default'
 
 
 def warmed_up_trainer(data, hyp, device, dtype, compiled, log, rank=0, world=1):
-    """A Trainer (rank, world: as it takes them; DDP's where they split batches), compiled if
-    asked and its step checked, then warmed up: untimed runs of 2 steps (two on a GPU: cuDNN's
-    search, CUDA graphs' capture) take the one-off costs out of the first run's time."""
+    """A Trainer (DDP's where ranks split batches), compiled if asked and its step checked, then
+    an untimed run of 2 steps (two on a GPU: cuDNN's search, CUDA graphs) takes one-off costs."""
+    TRAINERS.clear()  # one at a time (GPU memory): torch.compile keeps 8 graphs of a function
+    torch.compiler.reset()  # the last Trainer's graphs, which would count towards those 8
     torch.backends.cudnn.benchmark = device.type == 'cuda'  # a run's shapes are fixed
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False  # fp32 is fp32
     trainer = Trainer(hyp, device, dtype, compiled, rank, world)
@@ -817,8 +816,8 @@ def train(data, hyp=None, seed=0, tiny=False, device='auto', dtype='auto', compi
 
 @torch.no_grad()
 def test_logits(model, images, batch_size=1000):
-    """A model's logits for uint8 N x 3 x 32 x 32 images with flip-TTA, as a run evaluates, in
-    their order, on the CPU, in the model's dtype (fp32 for train()'s)."""
+    """A model's flip-TTA logits for uint8 N x 3 x 32 x 32 images, in their order, on the CPU, in
+    the model's dtype: fp32 for train()'s (a run on CUDA evaluates its copy in fp16)."""
     weight = next(model.parameters())
     images = normalise(np.asarray(images), weight.device, weight.dtype)
     logits = [flip_tta_logits(model.eval(), batch)[1] for batch in images.split(batch_size)]
@@ -869,8 +868,8 @@ def header_lines(job, world=1, spread=False):
             f"data: {job['data']} (files' digest {job['data_digest']})",
             f"model FLOPs: {flops['step'] / 1e12:.4g} TFLOP a training step x {flops['steps']} "
             f"steps = {flops['run'] / 1e12:.4g} TFLOP a run{peak}",
-            f'valid = accuracy ({evaluation_label(hyp)}); total time = preprocessing + training '
-            '(DAWNBench rule: validation excluded, after a warm-up)']
+            f'valid = accuracy ({evaluation_label(hyp)}) and label-smoothed loss; total time = '
+            'preprocessing + training (DAWNBench rule: validation excluded, after a warm-up)']
 
 
 def summarize(runs, flops=None, peak=None, world=1, hyp=HYP):
@@ -1162,6 +1161,7 @@ def compare_lines(paths, plot=None):
 # ==== The command line, and main ===============================================================
 COUNTS = ('epochs', 'batch_size', 'ema_every', 'channels', 'whitening_images', 'augment_options',
           'eval_batch_size', 'train_images', 'test_images')  # at least 1
+AT_MOST = dict(label_smoothing=1, pad=31, cutout=32)  # all targets uniform; a 32-pixel side
 
 
 def hyp_problem(hyp, world=1):
@@ -1169,10 +1169,12 @@ def hyp_problem(hyp, world=1):
     researcher's to try (a diverging run is said to fail); one that makes no run is refused."""
     for name, value in hyp.items():
         low = 1 if name in COUNTS else 0
+        high = AT_MOST.get(name, sys.float_info.max)  # the largest finite float
         if name not in HYP:
             return f'{name}: no such hyperparameter (HYP lists them)'
-        if name != 'whitening' and not all(low <= v < math.inf for v in np.atleast_1d(value)):
-            return f'{name}={as_typed(value)}: must be a finite number of at least {low}'
+        if name != 'whitening' and not all(low <= v <= high for v in np.atleast_1d(value)):
+            most = f' and at most {high}' if name in AT_MOST else ''
+            return f'{name}={as_typed(value)}: must be a finite number of at least {low}{most}'
     if hyp['whitening'] not in ('fixed', 'learned', 'none'):
         return f"whitening={hyp['whitening']}: must be fixed, learned or none"
     split, batch = hyp['bn_split_size'], hyp['batch_size']
@@ -1276,9 +1278,7 @@ def check_options(args, hyp, world, resumed_save=None):
         elif flag == '--plot' and not importlib.util.find_spec('matplotlib'):
             why = 'needs matplotlib: pip install matplotlib'
         elif flag in ('--json', '--save') and path != resumed_save and os.path.exists(path):
-            why = 'exists, and a new job overwrites no file: give another path'
-            if flag == '--json':
-                why += ', or --resume it if it holds this job'
+            why = 'exists, and a new job overwrites no file: give another path, or --resume its job'
         if why:
             raise UserError(f'{flag} {path!r}: {why}')
 
