@@ -84,6 +84,12 @@ def write_dataset(data_dir, per_batch=200, n_test=200, seed=0):
     return folder
 
 
+@pytest.fixture(autouse=True)
+def no_trainers_kept(monkeypatch):
+    """Each test builds its own networks, as a new process would (T.TRAINERS keeps them by settings)."""
+    monkeypatch.setattr(T, 'TRAINERS', {})
+
+
 @pytest.fixture(scope='session')
 def dataset(tmp_path_factory):
     data_dir = tmp_path_factory.mktemp('generated')
@@ -99,14 +105,14 @@ def run_script(*args, cwd=None, timeout=300, env=None):
 def small_model(hyp_overrides=None, whitening=None):
     hyp = {**T.HYP, 'channels': (8, 8, 16, 16), **(hyp_overrides or {})}
     torch.manual_seed(0)
-    return T.ResNet9(torch.randn(27, 3, 3, 3) if whitening is None else whitening, hyp), hyp
+    return T.ResNet9(hyp, torch.randn(27, 3, 3, 3) if whitening is None else whitening), hyp
 
 
 def small_networks(hyp_overrides=None, compiled=False, dtype=torch.float32):
     """A Trainer on the CPU, narrow, initialised from seed 0 with random whitening filters."""
     hyp = {**T.HYP, 'channels': (8, 8, 16, 16), **(hyp_overrides or {})}
     networks = T.Trainer(hyp, torch.device('cpu'), dtype, compiled)
-    networks.reinitialise(torch.randn(27, 3, 3, 3, generator=torch.Generator().manual_seed(1)), seed=0)
+    networks.new_run(hyp, 0, torch.randn(27, 3, 3, 3, generator=torch.Generator().manual_seed(1)))
     return networks, hyp
 
 
@@ -192,15 +198,25 @@ def test_schedule_at_and_between_knots(epochs, epoch, expected):
     assert T.lr_schedule({**T.HYP, 'epochs': epochs}, epoch) == pytest.approx(expected)
 
 
-def test_each_step_uses_the_schedule_at_its_own_end():
-    networks, hyp = small_networks({'batch_size': 32, 'epochs': 10})
+def test_each_step_uses_the_schedule_at_its_own_end(monkeypatch):
+    """A run of 2 epochs of 3 steps steps at the schedule's value at the end of each step: 1/3, 2/3, 1, ...
+    of an epoch, so that the first step's rate is not 0; a row's lr is its epoch's last."""
+    networks, hyp = small_networks({'batch_size': 32, 'epochs': 2, 'floor_epochs': 1})
     rates = []
-    real_step = networks.optimiser.step
-    networks.optimiser.step = lambda lr: (rates.append(lr), real_step(lr))
-    images, labels = torch.randn(64, 3, 32, 32), torch.randint(0, 10, (64,))
-    *_, lr = T.train_epoch(networks, images, labels, 1, 2, hyp)
-    assert rates == pytest.approx([0.25, 0.5])                    # steps 1 and 2 of 2 in epoch 1: peak 1.0 at epoch 2
-    assert lr == pytest.approx(0.5)
+    real_optimiser = T.optimiser
+
+    def optimiser(*args):
+        opt = real_optimiser(*args)
+        real_step = opt.step
+        opt.step = lambda lr: (rates.append(lr), real_step(lr))
+        return opt
+    monkeypatch.setattr(T, 'optimiser', optimiser)
+    data = constant_data(n_train=3 * 32 + 5)                      # 3 steps; the partial batch is dropped
+    rows = T.train_run(data, T.upload_test_set(data, networks), networks, hyp, 0, lambda row: None)
+    peak, floor = 2 / 5, 1                                        # epochs / 5, epochs - floor_epochs
+    expected = np.interp(np.arange(1, 7) / 3, [0, peak, floor], [0, 1.0, 0.1])
+    assert rates == pytest.approx(expected.tolist()) and rates[0] > 0
+    assert [row['lr'] for row in rows] == pytest.approx([expected[2], expected[5]])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -215,7 +231,7 @@ PAGE_MEAN, PAGE_STD = (125.31, 122.95, 113.87), (62.99, 62.09, 66.70)
 def test_normalise_takes_pages_mean_and_standard_deviation_from_each_channel(dtype):
     images = np.random.default_rng(0).integers(0, 256, (4, 3, 32, 32), dtype=np.uint8)
     images[0], images[1] = 0, 255                                 # the ends of the scale
-    got = T.normalise(images, torch.device('cpu'), dtype)
+    got = T.upload_normalised(images, torch.device('cpu'), dtype)
     mean, std = (np.array(s).reshape(1, 3, 1, 1) for s in (PAGE_MEAN, PAGE_STD))
     # |x| <= 2.1: fp32's rounding of the difference and the quotient is below 3 x 2^-24 x 2.1 < 1e-6;
     # fp16's last rounding is half a unit, 2^-11 of the value
@@ -224,44 +240,11 @@ def test_normalise_takes_pages_mean_and_standard_deviation_from_each_channel(dty
     np.testing.assert_allclose(got.double().numpy(), (images - mean) / std, **tolerance)
 
 
-def test_crop_is_the_window_at_its_offsets():
-    padded = torch.rand(50, 3, 40, 40)
-    top, left = torch.randint(0, 9, (2, 50))
-    crops = T.crop(padded, top, left, 32)
-    for image, crop, y, x in zip(padded, crops, top.tolist(), left.tolist()):
-        assert torch.equal(crop, image[:, y:y + 32, x:x + 32])
-
-
-def test_crop_uploads_its_indices_in_one_copy():
-    """A copy from the CPU to a GPU waits for the GPU: the indices of its 81 offsets go in one (a
-    meta device stands for the GPU: a copy to it is an operation, as to a GPU)."""
-    padded = torch.empty(400, 3, 40, 40, device='meta')
-    top, left = torch.randint(0, 9, (2, 400))
-    with OpLog() as log:
-        crops = T.crop(padded, top, left, 32)
-    assert crops.shape == (400, 3, 32, 32) and crops.device.type == 'meta'
-    assert log.ops.count('aten._to_copy') + log.ops.count('aten.copy_') == 1
-
-
-def test_crop_slices_and_never_gathers_with_expanded_indices():
-    padded = torch.rand(40, 3, 40, 40)
-    top, left = torch.randint(0, 9, (2, 40))
-    with OpLog() as log:
-        T.crop(padded, top, left, 32)
-    assert not {'aten.gather', 'aten.expand'} & set(log.ops)
-
-
-def test_flip_mirrors_exactly_the_chosen_images():
-    images = torch.rand(40, 3, 32, 32)
-    which = torch.arange(40) % 3 == 0
-    flipped = T.flip(images, which)
-    for image, out, w in zip(images, flipped, which.tolist()):
-        assert torch.equal(out, image.flip(2) if w else image)
-
-
-def test_cutout_zeroes_the_square_at_its_corner():
+def test_cutout_zeroes_the_square_at_its_corner_in_place():
     top, left = torch.tensor([0, 24, 10]), torch.tensor([0, 24, 3])
-    out = T.cutout(torch.ones(3, 3, 32, 32), top, left, 8)
+    images = torch.ones(3, 3, 32, 32)
+    out = T.cutout(images, top, left, 8)
+    assert out is images
     for image, y, x in zip(out, top.tolist(), left.tolist()):
         expected = torch.ones(3, 32, 32)
         expected[:, y:y + 8, x:x + 8] = 0
@@ -270,34 +253,81 @@ def test_cutout_zeroes_the_square_at_its_corner():
 
 def test_draws_are_balanced_as_in_pages_loader():
     """Page's loader gives each crop offset (at most 200 of them) an equal share of the images,
-    assigned at random, and flips exactly half of them."""
-    draws = T.draw_augmentation(1000, {**T.HYP, 'cutout': 8}, torch.Generator().manual_seed(0))
-    assert draws['flip'].sum() == 500
-    offsets = np.bincount((draws['top'] * 9 + draws['left']).numpy(), minlength=81)
-    assert draws['top'].max() == 8 and set(offsets.tolist()) == {12, 13}   # 1000 / 81 = 12.3: all 81 used
-    corners = np.unique((draws['cutout_top'] * 25 + draws['cutout_left']).numpy(), return_counts=True)[1]
+    assigned at random, and flips exactly half of them; cutout's corners (200 of 625) likewise."""
+    order, top, left, flip, cut_top, cut_left = T.draw_augmentation(1000, {**T.HYP, 'cutout': 8},
+                                                                    torch.Generator().manual_seed(0))
+    assert sorted(order.tolist()) == list(range(1000)) and flip.sum() == 500
+    offsets = np.bincount((top * 9 + left).numpy(), minlength=81)
+    assert top.max() == left.max() == 8 and set(offsets.tolist()) == {12, 13}   # 1000 / 81 = 12.3: all 81 used
+    corners = np.unique((cut_top * 25 + cut_left).numpy(), return_counts=True)[1]
     assert len(corners) == 200 and set(corners.tolist()) == {5}           # 625 squares: 200 picked, 5 images each
-    assert sorted(draws['order'].tolist()) == list(range(1000))
     again = T.draw_augmentation(1000, {**T.HYP, 'cutout': 8}, torch.Generator().manual_seed(1))
-    assert not torch.equal(again['top'], draws['top']) and not torch.equal(again['flip'], draws['flip'])
+    assert not torch.equal(again[1], top) and not torch.equal(again[3], flip)
+    assert len(T.draw_augmentation(1000, T.HYP, torch.Generator().manual_seed(0))) == 4   # no cutout: no corners
 
 
-def constant_images(n):
-    """Image i is the constant i, which survives cropping a reflect-padded image and flipping it."""
-    return F.pad(torch.arange(n, dtype=torch.float32).view(n, 1, 1, 1).expand(n, 3, 32, 32), (4,) * 4, mode='reflect')
+@pytest.mark.parametrize('layout', [torch.contiguous_format, torch.channels_last])
+def test_an_epochs_images_are_the_drawn_windows_mirrored_and_cut_out_with_their_labels(layout):
+    """Position p of the epoch holds image order[p]'s 32 x 32 window at (top[p], left[p]) of its
+    padded image, mirrored where flip[p], its cutout square zeroed, in the step's layout; its label
+    goes with it; the last partial batch is dropped."""
+    n, hyp = 1000, {**T.HYP, 'batch_size': 64, 'cutout': 8}
+    padded, labels = torch.rand(n, 3, 40, 40), torch.randint(0, 10, (n,))
+    images, epoch_labels, steps = T.augmented_epoch(padded, labels, hyp, torch.Generator().manual_seed(0), layout)
+    order, top, left, flip, cut_top, cut_left = T.draw_augmentation(n, hyp, torch.Generator().manual_seed(0))
+    assert steps == n // 64 and images.shape == (steps * 64, 3, 32, 32) and images.is_contiguous(memory_format=layout)
+    for p in range(steps * 64):
+        window = padded[order[p], :, top[p]:top[p] + 32, left[p]:left[p] + 32].clone()
+        if flip[p]:
+            window = window.flip(2)
+        window[:, cut_top[p]:cut_top[p] + 8, cut_left[p]:cut_left[p] + 8] = 0
+        assert torch.equal(images[p], window) and epoch_labels[p] == labels[order[p]], p
 
 
-def test_augmented_epoch_keeps_labels_with_their_images():
+def test_an_epochs_draws_reach_the_device_in_one_copy_and_no_work_grows_with_images_or_offsets():
+    """A copy from the CPU to a GPU waits for the GPU: the epoch's draws go in one (a meta device
+    stands for the GPU: a copy to it is an operation, as to a GPU). The operations an epoch runs are
+    as many for 4 times the images and 3.6 times the offsets: no loop over either."""
+    counts = []
+    for n, pad in [(400, 4), (1600, 4), (400, 8)]:                # 81, 81 and 289 crop offsets
+        padded = torch.empty(n, 3, 32 + 2 * pad, 32 + 2 * pad, device='meta')
+        labels = torch.empty(n, dtype=torch.int64, device='meta')
+        with OpLog() as log:
+            images, _, _ = T.augmented_epoch(padded, labels, {**T.HYP, 'batch_size': 64, 'pad': pad, 'cutout': 8},
+                                             torch.Generator().manual_seed(0), torch.channels_last)
+        assert images.device.type == 'meta'
+        assert log.ops.count('aten._to_copy') + log.ops.count('aten.copy_') == 1
+        counts.append(len(log.ops))
+    assert counts[0] == counts[1] == counts[2]
+
+
+class NewTensorLog(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the number of elements of every tensor an operation makes anew (not a view, not its
+    input written in place)."""
+
+    def __init__(self):
+        super().__init__()
+        self.sizes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = [a for a in args if isinstance(a, torch.Tensor)]
+        if isinstance(out, torch.Tensor) and not func.is_view and not any(out is a for a in inputs):
+            self.sizes.append(out.numel())
+        return out
+
+
+@pytest.mark.parametrize('layout, copies', [(torch.channels_last, 1), (torch.contiguous_format, 2)])
+def test_an_epoch_copies_its_images_at_most_twice(layout, copies):
+    """The gather writes the epoch's images once, in channels_last memory, as compiled steps read
+    them; eager NCHW steps need one copy more. Cutout zeroes its squares in place; each step slices
+    its batch out of them."""
     n = 1000
-    padded, labels = constant_images(n), torch.randint(0, 10, (n,))
-    images, epoch_labels, steps = T.augmented_epoch(padded, labels, {**T.HYP, 'batch_size': 64, 'cutout': 0},
-                                                    torch.Generator().manual_seed(0))
-    assert steps == n // 64 and len(images) == steps * 64         # the last partial batch is dropped
-    index = images[:, 0, 0, 0].long()
-    assert (images == index.view(-1, 1, 1, 1).float()).all()
-    assert len(set(index.tolist())) == len(index)                 # each image at most once
-    assert torch.equal(epoch_labels, labels[index])
-    assert not torch.equal(index, torch.arange(len(index)))       # shuffled
+    padded, labels = torch.rand(n, 3, 40, 40), torch.randint(0, 10, (n,))
+    with NewTensorLog() as log:
+        images, _, _ = T.augmented_epoch(padded, labels, {**T.HYP, 'batch_size': 50, 'cutout': 8},
+                                         torch.Generator().manual_seed(0), layout)
+    assert sum(size >= images.numel() for size in log.sizes) == copies
 
 
 def test_augmentation_is_the_same_whatever_the_device_and_its_random_state():
@@ -307,9 +337,10 @@ def test_augmentation_is_the_same_whatever_the_device_and_its_random_state():
     labels = torch.randint(0, 10, (300,))
     hyp = {**T.HYP, 'batch_size': 64, 'cutout': 8}
     torch.manual_seed(1)
-    a, a_labels, _ = T.augmented_epoch(padded, labels, hyp, torch.Generator().manual_seed(5))
+    a, a_labels, _ = T.augmented_epoch(padded, labels, hyp, torch.Generator().manual_seed(5), torch.channels_last)
     torch.manual_seed(2)                                          # another global random state ...
-    b, b_labels, _ = T.augmented_epoch(padded.double(), labels, hyp, torch.Generator().manual_seed(5))  # ... and dtype
+    b, b_labels, _ = T.augmented_epoch(padded.double(), labels, hyp, torch.Generator().manual_seed(5),  # ... dtype
+                                       torch.contiguous_format)   # ... and layout
     assert torch.equal(a.double(), b) and torch.equal(a_labels, b_labels)
 
 
@@ -527,36 +558,27 @@ def test_achieved_tflops_and_mfu_by_hand():
 
 def test_reinitialised_networks_equal_a_newly_built_network():
     networks, hyp = small_networks({'batch_size': 64})
-    T.train_epoch(networks, torch.randn(128, 3, 32, 32), torch.randint(0, 10, (128,)), 1, 2, hyp)
+    T.train_epoch(networks, torch.randn(128, 3, 32, 32), torch.randint(0, 10, (128,)), [0.5] * 2, hyp)
     whitening = torch.randn(27, 3, 3, 3)
-    networks.reinitialise(whitening, seed=3)
+    networks.new_run(hyp, 3, whitening)
     torch.manual_seed(3)
-    fresh = T.ResNet9(whitening, hyp).state_dict()
+    fresh = T.ResNet9(hyp, whitening).state_dict()
     for model in (networks.network, networks.ema):
         assert all(torch.equal(model.state_dict()[k], fresh[k]) for k in fresh)
     assert all((v == 0).all() for g in networks.optimiser.groups for v in g['velocities'])
 
 
-def test_a_module_type_added_to_the_network_is_drawn_anew_each_run(monkeypatch):
-    """Layers of types the network did not have, one whose draw is not reset_parameters (attention's
-    _reset_parameters) and a bare parameter drawn in __init__, start each run as a new network built
-    with the run's seed would, so runs differ in them as in every other weight."""
+def test_a_layer_whose_weights_new_run_does_not_draw_is_refused_not_left_as_the_last_runs(monkeypatch):
+    """A layer added to the network whose weights new_run() does not draw would start every run from
+    the last run's weights: new_run() names it instead, before any step."""
     class Extended(T.ResNet9):
-        def __init__(self, whitening, hyp):
-            super().__init__(whitening, hyp)
+        def __init__(self, hyp, whitening=None):
+            super().__init__(hyp, whitening)
             self.attention = torch.nn.MultiheadAttention(4, 2)
-            self.scale = torch.nn.Parameter(torch.randn(3))
     monkeypatch.setattr(T, 'ResNet9', Extended)
-    networks, hyp = small_networks()
-    whitening = torch.randn(27, 3, 3, 3)
-    drawn = {}
-    for seed in (3, 4):
-        networks.reinitialise(whitening, seed=seed)
-        drawn[seed] = [networks.network.attention.in_proj_weight.clone(), networks.network.scale.clone()]
-        torch.manual_seed(seed)
-        fresh = Extended(whitening, hyp)
-        assert all(map(torch.equal, drawn[seed], [fresh.attention.in_proj_weight, fresh.scale]))
-    assert not any(map(torch.equal, drawn[3], drawn[4]))
+    networks = T.Trainer({**T.HYP, 'channels': (8, 8, 16, 16)}, torch.device('cpu'), torch.float32, False)
+    with pytest.raises(TypeError, match='new_run.. draws no weights for a MultiheadAttention: add them there'):
+        networks.new_run(T.HYP, 0, torch.randn(27, 3, 3, 3))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -571,7 +593,7 @@ def test_one_ema_step_equals_the_formula():
                 t.add_(torch.randn_like(t))
     model(torch.randn(64, 3, 32, 32))                             # running statistics differ too
     before = {k: v.clone() for k, v in ema.state_dict().items()}
-    T.ema_update(T.ema_tensors(ema), T.ema_tensors(model), 0.9)
+    T.ema_update(T.averaged_tensors(ema), T.averaged_tensors(model), 0.9)
     for k, v in ema.state_dict().items():
         if v.is_floating_point():
             torch.testing.assert_close(v, 0.9 * before[k] + 0.1 * model.state_dict()[k], atol=1e-6, rtol=1e-6)
@@ -592,7 +614,7 @@ def test_ema_updates_after_batches_0_5_10_of_every_epoch(momentum, expected):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(T, 'ema_update', lambda *args: (fired.append(len(after_step)), real_update(*args)))
         for epoch in range(2):
-            T.train_epoch(networks, images, labels, epoch + 1, 7, hyp)
+            T.train_epoch(networks, images, labels, [0.5] * 7, hyp)
     assert fired == expected                                      # batches 0 and 5 of each 7-step epoch
     ema, last = networks.ema.head.weight, fired[-1] - 1
     assert torch.equal(ema, after_step[last]) and not torch.equal(ema, after_step[last - 1])
@@ -617,9 +639,9 @@ def test_no_host_sync_in_an_epoch_the_optimiser_or_the_ema():
         torch.zeros(2).sum().item()                               # the log sees a sync ...
     assert log.syncs == 1
     with SyncLog() as log:                                        # ... and none in a whole epoch
-        T.train_epoch(networks, images, labels, 1, 6, hyp)
+        T.train_epoch(networks, images, labels, [0.5] * 6, hyp)
         networks.optimiser.step(0.5)
-        T.ema_update(networks.ema_state, networks.trained_state, 0.9)
+        T.ema_update(networks.ema_tensors, networks.trained_tensors, 0.9)
     assert log.syncs == 0
 
 
@@ -629,7 +651,7 @@ def test_gradients_are_freed_before_each_forward():
     alive = []
     networks.network.register_forward_pre_hook(
         lambda module, args: alive.append(any(p.grad is not None for p in module.parameters())))
-    T.train_epoch(networks, torch.randn(3 * 32, 3, 32, 32), torch.randint(0, 10, (3 * 32,)), 1, 3, hyp)
+    T.train_epoch(networks, torch.randn(3 * 32, 3, 32, 32), torch.randint(0, 10, (3 * 32,)), [0.5] * 3, hyp)
     assert alive == [False, False, False]
     assert all(p.grad is not None for p in networks.network.parameters() if p.requires_grad)   # the last step's
 
@@ -658,7 +680,7 @@ def test_warm_up_makes_every_tensor_shape_of_a_run(dataset):
     with ShapeLog() as warm:
         networks = T.warmed_up_trainer(data, hyp, torch.device("cpu"), torch.float32, False, print)
     with ShapeLog() as run:
-        T.train_run(data, networks, hyp, 0, lambda row: None)
+        T.train_run(data, T.upload_test_set(data, networks), networks, hyp, 0, lambda row: None)
     assert run.shapes <= warm.shapes, sorted(run.shapes - warm.shapes)
     assert ((1000, 3, 40, 40), torch.float32) in warm.shapes and ((8, 3, 32, 32), torch.float32) in warm.shapes
 
@@ -757,7 +779,7 @@ def test_bf16s_ema_averages_the_optimisers_fp32_copies_not_the_rounded_weights()
             rounded[i] += 0.1 * (p.detach().double() - rounded[i])
     networks.optimiser.step = step_and_average
     images = torch.randn(256, 3, 32, 32, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
-    T.train_epoch(networks, images, torch.arange(256) % 10, 1, 4, {**hyp, 'batch_size': 64})
+    T.train_epoch(networks, images, torch.arange(256) % 10, [0.5] * 4, {**hyp, 'batch_size': 64})
     apart = 0.0
     for (_, average), copy_average, rounded_average in zip(pairs, copies, rounded):
         assert average.dtype == torch.float32
@@ -778,13 +800,13 @@ def test_fp16_evaluation_of_the_fp32_ema_is_fp32s_up_to_fp16s_rounding(dataset):
     data = T.load_cifar10(dataset / T.BATCHES_DIR)
     hyp = {**T.HYP, **T.TINY}
     trained = T.Trainer(hyp, torch.device('cpu'), torch.float32, False)
-    T.train_run(data, trained, hyp, 0, lambda row: None)
+    T.train_run(data, T.upload_test_set(data, trained), trained, hyp, 0, lambda row: None)
     labels = torch.from_numpy(data['test_labels'])
     logits, correct = {}, {}
     for dtype in (torch.float32, torch.float16):
         networks = T.Trainer(hyp, torch.device('cpu'), dtype, False)
         networks.ema.load_state_dict(trained.ema.state_dict())
-        images = T.normalise(data['test_images'], torch.device('cpu'), dtype)
+        images = T.upload_normalised(data['test_images'], torch.device('cpu'), dtype)
         correct[dtype] = int(T.evaluate(networks, images, labels, hyp)[1])
         with torch.no_grad():                                     # the weights evaluate() cast
             logits[dtype] = T.flip_tta_logits(networks.eval_network, images)[1].double()
@@ -822,10 +844,10 @@ def test_a_rows_losses_and_accuracies_are_the_label_smoothed_cross_entropy_by_ha
     divided by their number, train_acc and valid_acc the share whose largest logit is the label:
     computed in numpy from known logits, against the row train_run makes."""
     networks, hyp = small_networks({'batch_size': 64, 'epochs': 1, 'whitening_images': 128, 'eval_batch_size': 64})
-    give_known_logits(networks.network)                           # networks.step_network, in one process
+    give_known_logits(networks.network)                           # networks.synced_network, in one process
     give_known_logits(networks.eval_network)                         # the EMA's weights, evaluated
     data = constant_data()
-    row, = T.train_run(data, networks, hyp, 0, lambda row: None)
+    row, = T.train_run(data, T.upload_test_set(data, networks), networks, hyp, 0, lambda row: None)
 
     def by_hand(split):
         red = (data[f'{split}_images'][:, 0, 0, 0] - PAGE_MEAN[0]) / PAGE_STD[0]
@@ -843,9 +865,10 @@ def test_a_rows_losses_and_accuracies_are_the_label_smoothed_cross_entropy_by_ha
 
 
 def test_total_time_is_preprocessing_plus_training_and_never_the_evaluation(monkeypatch):
-    """The DAWNBench rule, on a clock the test moves: the test set's upload takes 1000 s (before the
-    clock starts), preprocessing (whitening) 10 s, each epoch's augmentation 0.5 s and training 1 s,
-    each evaluation 100 s: after epoch e, total time is 10 + 1.5 e."""
+    """The DAWNBench rule, on a clock the test moves: preprocessing (whitening) takes 10 s, each
+    epoch's augmentation 0.5 s and training 1 s, each evaluation 100 s. The first epoch's images
+    are made in the preprocessing, each later epoch's during the epoch before: after epoch e of 3,
+    total time is 10.5 + 1.5 e, less the 0.5 s that the last epoch does not make."""
     now = [0.0]
     monkeypatch.setattr(T, 'time', types.SimpleNamespace(perf_counter=lambda: now[0]))
 
@@ -854,13 +877,14 @@ def test_total_time_is_preprocessing_plus_training_and_never_the_evaluation(monk
             now[0] += seconds
             return function(*args, **kwargs)
         return timed
-    for name, seconds in (('upload_test_set', 1000.0), ('whitening_filters', 10.0), ('augmented_epoch', 0.5),
-                          ('train_epoch', 1.0), ('evaluate', 100.0)):
+    for name, seconds in (('whitening_filters', 10.0), ('augmented_epoch', 0.5), ('train_epoch', 1.0),
+                          ('evaluate', 100.0)):
         monkeypatch.setattr(T, name, taking(seconds, getattr(T, name)))
     networks, hyp = small_networks({'batch_size': 64, 'epochs': 3, 'whitening_images': 128})
-    rows = T.train_run(constant_data(n_test=10), networks, hyp, 0, lambda row: None)
+    data = constant_data(n_test=10)
+    rows = T.train_run(data, T.upload_test_set(data, networks), networks, hyp, 0, lambda row: None)
     assert [(r['train_time'], r['valid_time'], r['total_time']) for r in rows] == [
-        (1.5, 100.0, 11.5), (1.5, 100.0, 13.0), (1.5, 100.0, 14.5)]
+        (1.5, 100.0, 12.0), (1.5, 100.0, 13.5), (1.0, 100.0, 14.5)]
 
 
 def test_a_run_with_cutout_zeroes_the_squares_it_drew_in_the_images_a_step_sees(monkeypatch):
@@ -875,11 +899,10 @@ def test_a_run_with_cutout_zeroes_the_squares_it_drew_in_the_images_a_step_sees(
     networks, hyp = small_networks({'batch_size': 64, 'epochs': 2, 'whitening_images': 128, 'cutout': 8})
     data = dict(constant_data(n_test=10), train_images=np.random.default_rng(1).integers(0, 256, (128, 3, 32, 32),
                                                                                         dtype=np.uint8))
-    T.train_run(data, networks, hyp, 0, lambda row: None)
-    assert len(draws) == len(seen) == 2 and not torch.equal(draws[0]['cutout_top'], draws[1]['cutout_top'])
+    T.train_run(data, T.upload_test_set(data, networks), networks, hyp, 0, lambda row: None)
+    assert len(draws) == len(seen) == 2 and not torch.equal(draws[0][4], draws[1][4])
     for drawn, images in zip(draws, seen):
-        for image, i in zip(images, drawn['order'].tolist()):    # a step's image i of the epoch's draws
-            top, left = int(drawn['cutout_top'][i]), int(drawn['cutout_left'][i])
+        for image, top, left in zip(images, drawn[4].tolist(), drawn[5].tolist()):  # each position's corner
             square = torch.zeros(32, 32, dtype=torch.bool)
             square[top:top + 8, left:left + 8] = True
             assert torch.equal((image == 0).all(0), square) and torch.equal((image == 0).any(0), square)
@@ -960,7 +983,7 @@ def test_a_summary_gives_the_interval_clipped_to_0_100_where_its_runs_are_too_fe
     summary.update(trained=1, wall_s=2.0, ranks=1)
     lines = T.summary_lines(summary)
     assert '95% confidence interval of the mean: [0.00, 100.00] % (clipped to 0-100 %: too few runs)' in lines
-    assert 'job: 1 run in 2.0 s of wall time after the warm-up, 1800 runs an hour' in lines
+    assert 'job: 1 run in 2.0 s of wall time after the warm-up, 1800 runs per hour' in lines
     lines = T.summary_lines(T.summarize(finished_runs([0.52, 0.53, 0.54])))
     assert '95% confidence interval of the mean: [50.52, 55.48] %' in lines       # 53 +- 4.303 x 1 / sqrt(3)
 
@@ -1013,7 +1036,9 @@ def test_hyperparameters_are_printed_in_lines_a_terminal_shows_whole():
     assert 'whitening_images=3000' in printed                     # --tiny whitens its 3,000 images
 
 
-def test_help_gives_examples_and_no_empty_defaults(capsys, monkeypatch):
+def test_help_gives_examples_no_empty_defaults_and_each_tricks_switch(capsys, monkeypatch):
+    """A learner's first stop: --help gives every default and the setting that turns off each of
+    Page's tricks."""
     assert T.main(['--help']) == 0
     out = capsys.readouterr().out
     assert '(default: None)' not in out and '(default: False)' not in out
@@ -1022,9 +1047,11 @@ def test_help_gives_examples_and_no_empty_defaults(capsys, monkeypatch):
     options = out.split('options:')[1].split('examples:')[0]
     assert len(options.splitlines()) <= 55          # a short line an option and --set's defaults: README has more
     listed = ' '.join(options.split('--set NAME=VALUE [NAME=VALUE ...]')[1].split('\n  --seed')[0].split())
-    defaults = listed.split(' are ')[1].split(';')[0].split()
+    defaults = listed.split(' are ')[1].split(' (TINY')[0].split()
     assert defaults == [f'{name}={T.as_typed(value)}' for name, value in T.HYP.items()]   # each, in order
     assert 'channels=64,128,256,512' in defaults and 'logit_scale=0.0625' in defaults
+    tricks = listed.split("Page's tricks")[1]
+    assert all(f'({name}={value})' in tricks for name, value in ALL_TRICKS_OFF.items())
     monkeypatch.setattr(T, '__doc__', None)                         # python -OO strips docstrings
     assert T.main(['--help']) == 0 and '--epochs N' in capsys.readouterr().out
 
@@ -1059,7 +1086,7 @@ def test_generated_and_protocol_2_pickles_load_with_their_labels(tmp_path):
     (lambda p: write_batch(p, np.zeros((5, 3, 32, 31), np.uint8), [0] * 5, 'x'), 'ValueError: cannot reshape array'),
     (lambda p: write_batch(p, np.zeros((5, 3, 32, 32), np.uint8), [0, 1, 2, 3, 10], 'x'), 'labels from 0 to 10, not '
                                                                                            'within 0-9'),
-    (lambda p: write_batch(p, np.zeros((5, 3, 32, 32), np.uint8), [0] * 4, 'x'), 'not 5 integer labels: int64 \\(4,\\)'),
+    (lambda p: write_batch(p, np.zeros((5, 3, 32, 32), np.uint8), [0] * 4, 'x'), 'not 5 integer labels but int64 \\(4,\\)'),
 ])
 def test_damaged_batch_files_are_refused(tmp_path, damage, message):
     folder = write_dataset(tmp_path, per_batch=20, n_test=20)
@@ -1268,7 +1295,7 @@ def test_compilation_and_layout_for_each_device_size_and_option(monkeypatch, dev
     nor on mps (experimental); --compile / --no-compile win. On cuda as CUDA graphs, except where
     DDP splits batches (pytorch#139207). channels_last compiled, but on mps: eager steps are NCHW."""
     args = T.parse_args(['--tiny'] * tiny + {None: [], True: ['--compile'], False: ['--no-compile']}[option])
-    compile = T.compile_mode(args.compile, torch.device(device), args.tiny, batch_ranks)
+    compile = T.pick_compile_mode(args.compile, torch.device(device), args.tiny, batch_ranks)
     on = option if option is not None else device in ('cuda', 'cpu') and not tiny
     graphs = device == 'cuda' and batch_ranks == 1
     assert compile == (on and ('reduce-overhead' if graphs else 'default'))
@@ -1303,7 +1330,7 @@ def test_no_output_of_a_compiled_call_is_read_after_the_next_call(monkeypatch, d
     for compile in (lambda function, **options: function, replayed_as_cuda_graphs):
         monkeypatch.setattr(T.torch, 'compile', compile)
         networks = T.Trainer(hyp, torch.device('cpu'), torch.float32, 'reduce-overhead')
-        runs.append(T.train_run(data, networks, hyp, 0, lambda row: None))
+        runs.append(T.train_run(data, T.upload_test_set(data, networks), networks, hyp, 0, lambda row: None))
     times = ('train_time', 'valid_time', 'total_time')
     assert [{k: v for k, v in row.items() if k not in times} for row in runs[1]] == [
         {k: v for k, v in row.items() if k not in times} for row in runs[0]]
@@ -1323,12 +1350,18 @@ def tf32_allowed():
         backend.allow_tf32 = value
 
 
-def test_a_job_turns_tf32_off_and_says_it_evaluates_in_its_dtype(dataset, tmp_path, capsys, tf32_allowed):
-    """TF32 rounds fp32 products to fp16's 10 mantissa bits: a job turns it off (cuDNN allows it by
-    default), so that fp32 is fp32 on every GPU. The header and the job file say the evaluation's dtype."""
+def test_a_job_turns_tf32_off_and_says_it_evaluates_in_its_dtype(dataset, tmp_path, monkeypatch, capsys,
+                                                                 tf32_allowed):
+    """TF32 rounds fp32 products to fp16's 10 mantissa bits: a job's runs have it off (cuDNN allows it by
+    default), so that fp32 is fp32 on every GPU, and main() leaves it as it was. The header and the job
+    file say the evaluation's dtype."""
+    flags, train_run = [], T.train_run
+    monkeypatch.setattr(T, 'train_run', lambda *args, **kwargs: flags.append(
+        (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32)) or train_run(*args, **kwargs))
     path = tmp_path / 'r.json'
     assert T.main([*SMALL_RUN, '--data-dir', str(dataset), '--json', str(path)]) == 0
-    assert not torch.backends.cudnn.allow_tf32 and not torch.backends.cuda.matmul.allow_tf32
+    assert flags and set(flags) == {(False, False)}                # the warm-up's runs and the job's
+    assert torch.backends.cudnn.allow_tf32 and torch.backends.cuda.matmul.allow_tf32
     assert ('dtype float32 (batch norm and the loss fp32; no TF32), in training and evaluation'
             in capsys.readouterr().out)
 
@@ -1450,7 +1483,7 @@ def test_no_ema_and_no_tta_evaluate_the_trained_weights_on_each_image_alone():
     for flip_tta in (False, True):
         networks, hyp = small_networks({'batch_size': 32, 'ema_momentum': 0.0, 'flip_tta': flip_tta})
         images, labels = torch.randn(3 * 32, 3, 32, 32), torch.randint(0, 10, (3 * 32,))
-        T.train_epoch(networks, images, labels, 1, 3, hyp)
+        T.train_epoch(networks, images, labels, [0.5] * 3, hyp)
         trained = copy.deepcopy(networks.network).eval()
         test, test_labels = torch.randn(40, 3, 32, 32), torch.randint(0, 10, (40,))
         with torch.no_grad():
@@ -1560,19 +1593,12 @@ def test_tiny_run_learns_prints_the_table_and_writes_its_files(dataset, tmp_path
     checkpoint = torch.load(out / 'ema.pt')                       # its normalisation: Page's, what the run used
     assert (checkpoint['mean'], checkpoint['std']) == (PAGE_MEAN, PAGE_STD)
 
-    # the README's lines that load a saved model and take its logits, run as written on the test images
-    # of the run, classify them as the run's own evaluation did
-    readme = (SCRIPT.parent / 'README.md').read_text()
-    paragraph = readme.split('`--save ema.pt` keeps')[1].split('\n\n')[0].replace('\n', ' ')
-    lines = re.findall(r'`(checkpoint = [^`]*|model[ .][^`]*|T\.test_logits[^`]*)`', paragraph)
-    assert lines[0] == "checkpoint = torch.load('ema.pt')" and lines[-1] == 'T.test_logits(model, images)'
-    monkeypatch.chdir(out)                                        # here, in the test's process
-    images = T.load_cifar10(data_dir / T.BATCHES_DIR)['test_images'][:T.TINY['test_images']]
-    scope = dict(T=T, torch=torch, images=images)
-    exec('\n'.join(lines[:-1]), scope)
-    logits = eval(lines[-1], scope)
-    labels = T.load_cifar10(data_dir / T.BATCHES_DIR)['test_labels'][:T.TINY['test_images']]
-    assert [scope['checkpoint']['classes'][i] for i in range(10)] == list(T.CLASSES)
+    # the saved model, loaded, classifies the run's test images as the run's own evaluation did
+    model = T.load_model(out / 'ema.pt')
+    test = T.load_cifar10(data_dir / T.BATCHES_DIR)
+    logits = T.test_logits(model, test['test_images'][:T.TINY['test_images']])
+    labels = test['test_labels'][:T.TINY['test_images']]
+    assert checkpoint['classes'] == T.CLASSES and checkpoint['hyperparameters']['test_images'] == len(labels)
     assert np.mean(logits.argmax(1).numpy() == labels) == pytest.approx(last['valid_acc'])
 
 
@@ -1627,9 +1653,10 @@ def test_train_learns_the_labels_it_is_given(dataset):
 
 @pytest.mark.parametrize('change, message', [
     (dict(train_images=lambda x: x.astype(np.float32)),
-     "data['train_images'], data['train_labels']: not uint8 N x 3 x 32 x 32 images: float32 (1000, 3, 32, 32)"),
+     "data['train_images'], data['train_labels']: not uint8 N x 3 x 32 x 32 images but float32 (1000, 3, 32, 32)"),
     (dict(test_images=lambda x: x[:, :, :16]),
-     "data['test_images'], data['test_labels']: not uint8 N x 3 x 32 x 32 images: uint8 (200, 3, 16, 32)"),
+     "data['test_images'], data['test_labels']: not uint8 N x 3 x 32 x 32 images but uint8 (200, 3, 16, 32)"),
+    (dict(test_images=None), "data has no 'test_images' or no 'test_labels'"),
     (dict(train_labels=lambda y: y[:10]), "data['train_images'], data['train_labels']: not 1000 integer labels"),
     (dict(test_labels=lambda y: y + 0.5), "data['test_images'], data['test_labels']: not 200 integer labels"),
     (dict(train_labels=lambda y: y + 1), "data['train_images'], data['train_labels']: labels from 1 to 10, not "
@@ -1640,27 +1667,68 @@ def test_train_learns_the_labels_it_is_given(dataset):
 def test_bad_input_to_train_is_one_error_naming_it(dataset, monkeypatch, change, message):
     monkeypatch.setattr(T, 'warmed_up_trainer', lambda *args: pytest.fail('work started'))
     data = T.load_cifar10(dataset / T.BATCHES_DIR)
-    data.update({key: f(data[key]) for key, f in change.items()})
+    data.update({key: f(data[key]) for key, f in change.items() if f})
+    data = {key: value for key, value in data.items() if key not in change or change[key]}
     with pytest.raises(ValueError) as refusal:
         T.train(data, tiny=True)
     assert str(refusal.value).startswith(message) and '\n' not in str(refusal.value)
-    for hyp, why in [({'lr': 0.1}, "hyp: lr: no such hyperparameter"), ({'epochs': 0}, 'hyp: epochs=0: must be')]:
-        with pytest.raises(T.UserError, match=re.escape(why)):
-            T.train(data, tiny=True, hyp=hyp)
+
+
+@pytest.mark.parametrize('hyp, why', [
+    ({'lr': 0.1}, 'hyp: lr: no such hyperparameter (HYP lists them)'),
+    ({'label_smothing': 0.1}, 'hyp: label_smothing: no such hyperparameter, did you mean label_smoothing? (HYP lists'),
+    ({'epochs': 0}, 'hyp: epochs=0: must be a finite number of at least 1'),
+    ({'epochs': 2.5}, 'hyp: epochs=2.5: must be an integer'),
+    ({'epochs': True}, 'hyp: epochs=True: must be an integer'),
+    ({'lr_peak': '0.5'}, "hyp: lr_peak='0.5': must be a number"),
+    ({'flip_tta': 1}, 'hyp: flip_tta=1: must be bool'),
+    ({'channels': (8, 16)}, 'hyp: channels=(8, 16): must be 4 integers, as 64,128,256,512'),
+    ({'channels': (8, 16, 32, 64.0)}, 'hyp: channels=(8, 16, 32, 64.0): must be 4 integers'),
+])
+def test_a_hyperparameter_of_the_wrong_name_or_type_is_one_error_naming_it(dataset, monkeypatch, hyp, why):
+    """Refused before any work, in one line naming the setting: numpy's integers and floats are numbers."""
+    monkeypatch.setattr(T, 'warmed_up_trainer', lambda *args: pytest.fail('work started'))
+    data = T.load_cifar10(dataset / T.BATCHES_DIR)
+    with pytest.raises(T.UserError) as refusal:
+        T.train(data, tiny=True, hyp=hyp)
+    assert str(refusal.value).startswith(why) and '\n' not in str(refusal.value)
+    for fine in ({'epochs': np.int64(2)}, {'lr_peak': np.float32(0.5)}, {'lr_peak': 1}, {'channels': [8, 8, 16, 16]}):
+        assert T.hyp_problem({**T.HYP, **fine}) is None
+
+
+@pytest.mark.parametrize('images, why', [
+    (lambda x: x.astype(np.float32) / 255, 'images: not uint8 N x 3 x 32 x 32 images but float32 (5, 3, 32, 32)'),
+    (lambda x: x.transpose(0, 2, 3, 1), 'images: not uint8 N x 3 x 32 x 32 images but uint8 (5, 32, 32, 3)'),
+])
+def test_test_logits_refuses_what_is_not_uint8_images_in_one_line_and_leaves_the_models_mode(images, why):
+    model, _ = small_model()
+    data = constant_data(n_test=5)
+    with pytest.raises(T.UserError) as refusal:
+        T.test_logits(model, images(data['test_images']))
+    assert str(refusal.value) == why
+    model.train()
+    assert T.test_logits(model, data['test_images']).shape == (5, 10) and model.training
 
 
 def test_training_leaves_the_callers_random_state_as_it_was(dataset, tmp_path, capsys):
-    """A notebook's own draws go on as if no run had drawn: from Python and through main; torch's
-    settings are those the README names (cuDNN's benchmark on CUDA only, no TF32)."""
+    """A notebook's own draws go on as if no run had drawn, from Python and through main, and torch's
+    settings (cuDNN's benchmark, TF32) are as they were, whatever they were."""
     data = T.load_cifar10(dataset / T.BATCHES_DIR)
-    torch.manual_seed(123)
-    expected = torch.rand(3)
-    torch.manual_seed(123)
-    T.train(data, tiny=True, hyp={'epochs': 1}, progress=True)
-    assert T.main([*SMALL_RUN, '--data-dir', str(dataset)]) == 0
-    assert torch.equal(torch.rand(3), expected)
+    cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
+    saved = cudnn.benchmark, cudnn.allow_tf32, matmul.allow_tf32
+    try:
+        for flags in [(True, True, True), (False, False, True)]:
+            cudnn.benchmark, cudnn.allow_tf32, matmul.allow_tf32 = flags
+            torch.manual_seed(123)
+            expected = torch.rand(3)
+            torch.manual_seed(123)
+            T.train(data, tiny=True, hyp={'epochs': 1}, progress=True)
+            assert T.main([*SMALL_RUN, '--data-dir', str(dataset)]) == 0
+            assert torch.equal(torch.rand(3), expected)
+            assert (cudnn.benchmark, cudnn.allow_tf32, matmul.allow_tf32) == flags
+    finally:
+        cudnn.benchmark, cudnn.allow_tf32, matmul.allow_tf32 = saved
     assert re.match(r'seed 0: valid accuracy \d+\.\d\d % after 1 epochs, [\d.]+ s$', capsys.readouterr().out.split('\n')[0])
-    assert not torch.backends.cudnn.benchmark and not torch.backends.cudnn.allow_tf32
 
 
 def test_the_readmes_example_runs_as_written(dataset, tmp_path, monkeypatch, capsys):
@@ -1701,13 +1769,12 @@ def test_a_diverged_run_is_reported_as_failed(dataset, tmp_path, capsys):
 
 def test_a_run_whose_training_loss_is_not_finite_is_failed(dataset, tmp_path, monkeypatch, capsys):
     """A NaN training loss fails the run even where its evaluation still gave a finite loss."""
-    real = T.train_run
+    real = T.train_epoch
 
     def nan_in_training(*args, **kwargs):
-        rows = real(*args, **kwargs)
-        rows[-1]['train_loss'] = math.nan
-        return rows
-    monkeypatch.setattr(T, 'train_run', nan_in_training)
+        loss, correct = real(*args, **kwargs)
+        return loss * math.nan, correct
+    monkeypatch.setattr(T, 'train_epoch', nan_in_training)
     status = T.main(['--tiny', '--data-dir', str(dataset), '--epochs', '1', '--json', str(tmp_path / 'r.json')])
     out = capsys.readouterr().out
     assert status == 1 and 'run 1 FAILED' in out and 'runs: 0 finished, 1 failed' in out
@@ -1722,7 +1789,7 @@ def test_ctrl_c_at_any_stage_ends_cleanly(dataset, tmp_path, monkeypatch, capsys
     real = getattr(T, stage)
 
     def interrupt(*args, **kwargs):
-        seed = kwargs.get('seed', args[3] if len(args) > 3 else None)
+        seed = kwargs.get('seed', args[4] if len(args) > 4 else None)
         if stage != 'train_run' or seed == 11:                    # train_run: in run 2 of seeds 10, 11, 12
             raise KeyboardInterrupt
         return real(*args, **kwargs)
@@ -1767,11 +1834,11 @@ def test_ctrl_c_while_a_run_is_kept_reports_the_runs_its_file_holds(dataset, tmp
     disk, which --resume reads back, not of a run the file lacks."""
     write, calls = T.write_atomically, []
 
-    def interrupted_write(path, data, flag):
-        calls.append(flag)
+    def interrupted_write(path, data):
+        calls.append(path)
         if len(calls) == 2:
             raise KeyboardInterrupt                               # as a Ctrl-C there would
-        write(path, data, flag)
+        write(path, data)
     monkeypatch.setattr(T, 'write_atomically', interrupted_write)
     path = tmp_path / 'r.json'
     assert T.main([*SMALL_RUN, '--runs', '3', '--data-dir', str(dataset), '--json', str(path)]) == 130
@@ -1860,7 +1927,7 @@ def test_a_full_disk_stops_the_job_in_one_line_and_resume_finishes_it(dataset, t
     monkeypatch.setattr(Path, 'write_bytes', full_disk)
     assert T.main([*options, '--json', str(job)]) == 1
     out, err = capsys.readouterr()
-    assert err.strip().splitlines()[-1] == f'error: cannot write {flag} {failing} (No space left on device)'
+    assert err.strip().splitlines()[-1] == f'error: cannot write {failing} (No space left on device)'
     kept = 1 if flag == '--json' else 2                           # the summary is of the file's runs
     assert 'Traceback' not in err and f'runs: {kept} finished' in out
     assert [run['run'] for run in json.loads(job.read_text())['runs']] == ([1] if flag == '--json' else [1, 2])
@@ -2093,15 +2160,16 @@ def test_set_changes_any_hyperparameter_and_resume_and_compare_carry_it(finished
 
 
 @pytest.mark.parametrize('setting, status, message', [
-    ('lr_peek=2', 2, "error: argument --set: 'lr_peek=2': no such hyperparameter; --help lists the options\n"),
-    ('=3', 2, "error: argument --set: '=3': no such hyperparameter; --help lists the options\n"),
-    ('ema_every=2.5', 2, "error: argument --set: 'ema_every=2.5': not NAME=VALUE as ema_every=5; --help"),
-    ('channels=8,x,32,64', 2, "error: argument --set: 'channels=8,x,32,64': not NAME=VALUE as channels=64,128,256,"),
-    ('channels=8,16', 2, "error: argument --set: 'channels=8,16': not NAME=VALUE as channels=64,128,256,512; "),
-    ('label_smoothing', 2, "error: argument --set: 'label_smoothing': not NAME=VALUE as label_smoothing=0.2; "
-                           '--help'),                                                   # --set label_smoothing 0.1
-    ('flip_tta=false', 2, "error: argument --set: 'flip_tta=false': not NAME=VALUE as flip_tta=True; "),
-    ('bn_scale_frozen=1', 2, "error: argument --set: 'bn_scale_frozen=1': not NAME=VALUE as bn_scale_frozen=True"),
+    ('lr_peek=2', 1, "error: --set 'lr_peek=2': no such hyperparameter, did you mean lr_peak? (HYP lists them)\n"),
+    ('label_smothing=0.1', 1, "error: --set 'label_smothing=0.1': no such hyperparameter, did you mean "
+                              'label_smoothing? (HYP lists them)\n'),
+    ('=3', 1, "error: --set '=3': no such hyperparameter (HYP lists them)\n"),
+    ('ema_every=2.5', 1, "error: --set 'ema_every=2.5': not NAME=VALUE as ema_every=5\n"),
+    ('channels=8,x,32,64', 1, "error: --set 'channels=8,x,32,64': not NAME=VALUE as channels=64,128,256,512\n"),
+    ('channels=8,16', 1, "error: --set channels=(8, 16): must be 4 integers, as 64,128,256,512\n"),
+    ('label_smoothing', 1, "error: --set 'label_smoothing': not NAME=VALUE as label_smoothing=0.2\n"),  # a space for =
+    ('flip_tta=false', 1, "error: --set 'flip_tta=false': not NAME=VALUE as flip_tta=True\n"),
+    ('bn_scale_frozen=1', 1, "error: --set 'bn_scale_frozen=1': not NAME=VALUE as bn_scale_frozen=True\n"),
     ('channels=(8, 0, 32, 64)', 1, 'error: --set channels=8,0,32,64: must be a finite number of at least 1\n'),   # would crash a run
     ('bn_split_size=-1', 1, 'error: --set bn_split_size=-1: must be a finite number of at least 0\n'),
     ('celu_alpha=-0.1', 1, 'error: --set celu_alpha=-0.1: must be a finite number of at least 0\n'),
@@ -2117,8 +2185,9 @@ def test_set_changes_any_hyperparameter_and_resume_and_compare_carry_it(finished
 ])
 def test_a_set_that_names_nothing_does_not_parse_or_cannot_make_the_run_is_refused_in_one_line(
         dataset, monkeypatch, capsys, setting, status, message):
-    """As a mistyped option is (status 2), or a value that makes no run (status 1), before any work; a
-    strange value is the researcher's to try (test_a_diverged_run_is_reported_as_failed)."""
+    """A name that is no setting (with the closest one), a value that does not parse, or one that makes
+    no run: one line, status 1, before any work. A strange value is the researcher's to try
+    (test_a_diverged_run_is_reported_as_failed)."""
     monkeypatch.setattr(T, 'pick_dtype', lambda *args: pytest.fail('work started'))
     assert T.main(['--tiny', '--data-dir', str(dataset), '--set', 'epochs=1', setting]) == status
     err = capsys.readouterr().err
@@ -2185,7 +2254,7 @@ def test_plot_on_a_full_disk_says_so_in_one_line_and_leaves_an_old_picture_whole
     monkeypatch.setattr(Path, 'write_bytes', full_disk)
     assert T.main([*SMALL_RUN, '--data-dir', str(dataset), '--json', str(job), '--plot', str(picture)]) == 1
     out, err = capsys.readouterr()
-    assert err == (f'error: --plot {picture} not drawn: cannot write --plot {picture} (No space left on '
+    assert err == (f'error: --plot {picture} not drawn: cannot write {picture} (No space left on '
                    'device)\n') and 'runs: 1 finished' in out
     assert picture.read_bytes() == b'an old picture' and T.read_job(job, '--json')['runs_finished'] == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ['r.json', 'r.png']     # no part file
@@ -2279,7 +2348,7 @@ def test_plot_through_main_for_a_comparison_and_for_a_job_without_a_finished_run
     real = T.train_run
 
     def ctrl_c_at_seed_10(*args, **kwargs):                         # seed 10's; the warm-up's is 0
-        if args[3] == 10:
+        if args[4] == 10:
             raise KeyboardInterrupt
         return real(*args, **kwargs)
     monkeypatch.setattr(T, 'train_run', ctrl_c_at_seed_10)
@@ -2338,7 +2407,7 @@ def test_compare_by_hand(finished_job, tmp_path, capsys):
         'the interval holds 0: no difference shown at the 5 % level',
         # se sqrt(2e-4 / 3) = 0.8165 points x (t_0.975,4 + t_0.8,4 = 2.7764 + 0.9410, the tables) = 3.0353
         'these runs would find a true difference of 3.035 points or more 80 % of the time at the 5 % level; with '
-        'fewer than 5 runs a side, the test rests on normally distributed accuracies, which so few cannot show']
+        'fewer than 5 runs on a side, the test rests on normally distributed accuracies, which so few cannot show']
     write_job(b, job_with(source, [0.98, 0.99, 0.97]))  # +4 points: shown, p = 0.008
     assert T.main(['--compare', str(a), str(b)]) == 0
     out = capsys.readouterr().out
@@ -2362,9 +2431,9 @@ def test_compare_by_hand(finished_job, tmp_path, capsys):
     assert out[out.index('C differs from A in: ema_momentum (0.9 -> 0)') + 1].startswith(  # A's spread: 1 +- 2.267
         'C - A: +1.000 points, 95 % confidence interval [-1.267, +3.267] (Welch, 4.0 degrees of freedom)')
     assert out[out.index('D differs from A in: nothing recorded') + 1] == (
-        'D - A: -3.000 points; no test: it needs two runs a side')
+        'D - A: -3.000 points; no test, since it needs two runs on each side')
     assert T.main(['--compare', str(b), str(e)]) == 0
-    assert 'B - A: +1.000 points; no test: both repeat one accuracy' in capsys.readouterr().out
+    assert 'B - A: +1.000 points; no test, since both repeat one accuracy' in capsys.readouterr().out
     write_job(e, job_with(source, [0.95, 0.93, 0.94]))            # A's accuracies in another order
     assert T.main(['--compare', str(a), str(e)]) == 0             # equal means: 0 +- 2.267, p = 1
     assert ('0.000 points, 95 % confidence interval [-2.267, +2.267] (Welch, 4.0 degrees of freedom), p = 1 '
@@ -2412,7 +2481,7 @@ def test_an_edited_or_older_job_file_is_refused_whole_in_one_line_and_kept(finis
 
 @pytest.mark.parametrize('changes, accuracies, message', [
     (dict(data_digest='0000000000000000'), [0.95, 0.96], 'tested on different data, data_digest \\(\\w+ -> 0000'),
-    (dict(test_images=123), [0.95, 0.96], 'tested on different data, test_images \\(200 -> 123\\): their'),
+    (dict(test_images=123), [0.95, 0.96], 'tested on different data, test_images \\(200 -> 123\\), so their'),
     (dict(data='official CIFAR-10'), [0.95, 0.96], 'tested on different data, data \\(NOT the .* -> official'),
     ({}, [None, None], 'has no finished run'),
 ])
@@ -2584,7 +2653,7 @@ print('cell 2 status', status)
 # Speed: compilation (in channels_last) changes nothing but the speed
 # ---------------------------------------------------------------------------------------------
 COMPILE_WORKER = """
-import copy, json, os, sys, torch
+import copy, os, sys, torch
 os.nice(19)                                       # cores the other tests leave idle, not theirs
 sys.path.insert(0, {repo!r})
 import train_cifar10 as T
@@ -2593,21 +2662,41 @@ data = T.load_cifar10(T.ensure_cifar10({data!r}))
 data = {{k: v[:64] if k.startswith('train') else v for k, v in data.items()}}   # 1 step of --tiny, see below
 hyp = {{**T.HYP, **T.TINY, 'epochs': 1}}
 graphs = torch._dynamo.utils.counters['stats']             # what dynamo compiled, counted
+counts = {{}}
+callers = torch.compile(lambda x: x * 2 + 1)      # a function of the caller's, compiled before any run
+callers(torch.ones(3))
 for name, compile in [('eager_nchw', False), ('compiled', 'default')]:   # through the Python entry
+    before = graphs['unique_graphs']
     model, rows = T.train(data, hyp, seed=0, device='cpu', compile=compile)
-    trainer = T.TRAINERS[json.dumps(hyp, sort_keys=True), 'cpu', torch.float32, compile]
-    compiled, net = graphs['unique_graphs'], copy.deepcopy(trainer.network.state_dict())
-    if compile:                                   # a second call, with another seed: no compile, no warm-up
-        warm_up, T.warmed_up_trainer = T.warmed_up_trainer, None
-        T.train(data, hyp, seed=1, device='cpu', compile=compile)
-        T.warmed_up_trainer = warm_up
-    torch.save(dict(rows=rows, net=net, ema=model.state_dict(), graphs=compiled,
-                    graphs_after=graphs['unique_graphs'], trainers=len(T.TRAINERS)), f'{out}/{{name}}.pt')
-torch._dynamo.config.cache_size_limit = 1        # a graph a function: other settings compile only if
-T.train(data, {{**hyp, 'channels': (8, 16, 32, 32)}}, device='cpu', compile='default')   # the last's went
-torch.save(dict(graphs=graphs['unique_graphs'], trainers=len(T.TRAINERS)), f'{out}/other_settings.pt')
+    trainer = list(T.TRAINERS.values())[-1]       # the one used last
+    counts[name] = graphs['unique_graphs'] - before
+    torch.save(dict(rows=rows, net=copy.deepcopy(trainer.network.state_dict()), ema=model.state_dict()),
+               f'{out}/{{name}}.pt')
+warm_up, T.warmed_up_trainer = T.warmed_up_trainer, None   # from here, a warm-up or a check would fail
+before = graphs['unique_graphs']
+for lr_peak in (0.5, 1.0, 2.0):                   # a sweep of settings that enter no graph
+    for epochs in (1, 2):
+        T.train(data, {{**hyp, 'lr_peak': lr_peak, 'epochs': epochs}}, seed=1, device='cpu', compile='default')
+counts['sweep'] = graphs['unique_graphs'] - before
+T.warmed_up_trainer = warm_up
+torch._dynamo.config.recompile_limit = 1          # torch's limit, held to one graph per function ...
+other = {{**hyp, 'channels': (8, 16, 32, 32)}}      # ... which this second graph setting would pass
+print('second setting: start', file=sys.stderr, flush=True)
+before = graphs['unique_graphs']
+T.train(data, other, device='cpu', compile='default')
+counts['other'] = graphs['unique_graphs'] - before
+print('second setting: end', file=sys.stderr, flush=True)
+T.warmed_up_trainer, before = None, graphs['unique_graphs']
+for settings in (hyp, other, hyp, other):         # A, B, A, B: both kept, none compiled again
+    T.train(data, settings, device='cpu', compile='default')
+before_callers = graphs['unique_graphs']
+callers(torch.ones(3))                            # compiled before train(): not compiled again
+counts.update(again=before_callers - before, callers=graphs['unique_graphs'] - before_callers,
+              trainers=len(T.TRAINERS))
+torch.save(counts, f'{out}/counts.pt')
 wide = T.Trainer(hyp, torch.device('cpu'), torch.float64, False)   # the same run in float64: a reference
-rows = T.train_run(T.first_images(data, hyp), wide, hyp, 0, T.silent)
+first = T.first_images(data, hyp)
+rows = T.train_run(first, T.upload_test_set(first, wide), wide, hyp, 0, T.print_nothing)
 torch.save(dict(rows=rows, net=wide.network.state_dict(), ema=wide.ema.state_dict()), f'{out}/float64.pt')
 """
 
@@ -2621,26 +2710,26 @@ torch.set_num_threads(1)                          # two workers share the two co
 dtype, cpu = getattr(torch, {dtype!r}), torch.device('cpu')
 data = T.load_cifar10(T.ensure_cifar10({data!r}))
 hyp = {{**T.HYP, **T.TINY}}
-networks = T.Trainer(hyp, cpu, dtype, compiled='default')
-networks.reinitialise(T.whitening_filters(T.normalise(data['train_images'], cpu, torch.float32), 1e-2), seed=0)
-x = T.normalise(data['train_images'][:64], cpu, dtype).contiguous(memory_format=torch.channels_last)
+networks = T.Trainer(hyp, cpu, dtype, compile_mode='default')
+networks.new_run(hyp, 0, T.whitening_filters(T.upload_normalised(data['train_images'], cpu, torch.float32), 1e-2))
+x = T.upload_normalised(data['train_images'][:64], cpu, dtype).contiguous(memory_format=torch.channels_last)
 y = torch.from_numpy(data['train_labels'][:64])
 disagreement = T.compiled_step_error(networks, x, y, hyp)   # leaves the compiled step's gradients
 compiled = {{n: p.grad.clone() for n, p in networks.network.named_parameters() if p.requires_grad}}
 networks.network.zero_grad()
-T.summed_loss(networks.step_network, x, y, hyp['label_smoothing'])[0].backward()
+T.summed_loss(networks.synced_network, x, y, hyp['label_smoothing'])[0].backward()
 eager = {{n: p.grad.clone() for n, p in networks.network.named_parameters() if p.requires_grad}}
 wide = copy.deepcopy(networks.network).double()   # the same weights and images, in fp64: the gradients' scale
 T.summed_loss(wide, x.double(), y, hyp['label_smoothing'])[0].backward()
 reference = {{n: p.grad.clone() for n, p in wide.named_parameters() if p.requires_grad}}
-networks.reinitialise(networks.ema.prep[0].whitening.clone(), seed=0)
+networks.new_run(hyp, 0, networks.ema.prep[0].whitening.clone())
 losses = [T.summed_loss(networks.network, x, y, hyp['label_smoothing'])[0].item() / 64]
 batches = x.repeat(5, 1, 1, 1).contiguous(memory_format=torch.channels_last), y.repeat(5)
 for epoch in range(3):                            # a learnable task: 3 epochs of 5 steps on one batch
-    T.train_epoch(networks, *batches, epoch + 1, 5, {{**hyp, 'epochs': 3}})
+    T.train_epoch(networks, *batches, T.lr_schedule({{**hyp, 'epochs': 3}}, [(5 * epoch + i) / 5 for i in range(1, 6)]).tolist(), hyp)
 losses.append(T.summed_loss(networks.network, x, y, hyp['label_smoothing'])[0].item() / 64)
-test = T.normalise(data['test_images'], cpu, dtype).contiguous(memory_format=torch.channels_last)
-networks.flip_tta_logits = T.flip_tta_logits      # eager: COMPILE_WORKER compiles the pass, not again
+test = T.upload_normalised(data['test_images'], cpu, dtype).contiguous(memory_format=torch.channels_last)
+networks.tta_logits = T.flip_tta_logits      # eager: COMPILE_WORKER compiles the pass, not again
 evaluation = T.evaluate(networks, test, torch.from_numpy(data['test_labels']), hyp)
 whitening_kept = torch.equal(networks.ema.prep[0].whitening, networks.network.prep[0].whitening)
 torch.save(dict(disagreement=disagreement, compiled=compiled, eager=eager, reference=reference, losses=losses, evaluation=evaluation,
@@ -2695,12 +2784,8 @@ def compiled_runs(compile_workers):
 def test_compiled_and_channels_last_training_equals_eager_nchw_and_never_recompiles(compiled_runs):
     """The first step of --tiny (loss, weights, batch-norm statistics, EMA, evaluation) gives the same
     numbers compiled by inductor, in channels_last, and eager in NCHW, both through train() from
-    Python, up to fp32's rounding; after the compilation pass and the warm-up, runs recompile nothing,
-    as torch's recompile log shows, and a second call of train() with the same settings compiles and
-    warms up nothing (dynamo's count of graphs; the warm-up there is gone), while other settings
-    replace the Trainer and its graphs: compiled, with torch.compile held to one graph a function
-    (dynamo would run the graph past its limit eager, saying only a warning). One step, not more: after
-    a second step a near-tie flipped in max-pooling can send a gradient to another pixel.
+    Python, up to fp32's rounding. One step, not more: after a second step a near-tie flipped in
+    max-pooling can send a gradient to another pixel.
     Each tensor after the step is compared with the same run in float64: the compiled one may be at
     most 4 times as far from it as eager's, and at least 4 x 256 x 2^-24 of the tensor's norm. 256 x
     2^-24 = 1.5e-5 is fp32's rounding of a sum of the step's largest size, 64 x 32 x 32 = 65,536 terms,
@@ -2710,12 +2795,10 @@ def test_compiled_and_channels_last_training_equals_eager_nchw_and_never_recompi
     forward pass of such sums, takes 1e-4 of itself; an accuracy may differ by one near-tie image:
     1/64 of the training batch, 1/200 of the test images."""
     folder, stderr = compiled_runs['float32']
-    assert 'Recompiling' not in stderr
+    outside = stderr.split('second setting: start')[0] + stderr.split('second setting: end')[1]
+    assert 'Recompiling' not in outside                           # but for the second graph setting's graphs
     reference = torch.load(folder / 'eager_nchw.pt')
     other = torch.load(folder / 'compiled.pt')
-    assert reference['graphs'] == 0 < other['graphs'] == other['graphs_after'] and other['trainers'] == 1
-    replaced = torch.load(folder / 'other_settings.pt')             # compiled, not eager past the limit
-    assert replaced['graphs'] > other['graphs_after'] and replaced['trainers'] == 1
     for key in ('train_loss', 'valid_loss'):
         assert other['rows'][0][key] == pytest.approx(reference['rows'][0][key], rel=1e-4)
     for key, images in (('train_acc', 64), ('valid_acc', 200)):
@@ -2728,6 +2811,16 @@ def test_compiled_and_channels_last_training_equals_eager_nchw_and_never_recompi
                 assert compiled <= 4 * max(eager, 256 * 2 ** -24 * float(v.norm())), (model, k, compiled, eager)
 
 
+def test_a_sweep_compiles_each_graph_once_and_leaves_the_callers_compiled_code(compiled_runs):
+    """Counted with dynamo's own count of the graphs it compiled, in COMPILE_WORKER: eager compiles
+    nothing; the first compiled call compiles the training step and the evaluation pass; a sweep of
+    lr_peak x 3 and epochs x 2 compiles nothing more and neither checks nor warms up again; a second
+    graph setting compiles its own two graphs although torch's limit is held to one graph per
+    function; then A, B, A, B compiles nothing; and a function the caller compiled before train()
+    is not compiled again after it."""
+    counts = torch.load(compiled_runs['float32'][0] / 'counts.pt')
+    assert counts['eager_nchw'] == 0 and counts['compiled'] == counts['other'] == 2
+    assert counts['sweep'] == counts['again'] == counts['callers'] == 0 and counts['trainers'] == 3  # eager's too
 
 
 @pytest.mark.parametrize('dtype', ['float16'])
@@ -2807,7 +2900,7 @@ def test_the_check_passes_a_correct_compiled_step_and_names_a_wrong_loss(monkeyp
     networks, hyp = small_networks({'batch_size': 64})
     x, y = torch.randn(64, 3, 32, 32), torch.arange(64) % 10
     assert T.compiled_step_error(networks, x, y, hyp) is None
-    networks.summed_loss = lambda *args: (lambda loss, logits: (loss * 1.01, logits))(*T.summed_loss(*args))
+    networks.loss = lambda *args: (lambda loss, logits: (loss * 1.01, logits))(*T.summed_loss(*args))
     assert "(the loss differs from eager's by 0.01 of its size" in T.compiled_step_error(networks, x, y, hyp)
 
 
@@ -2931,7 +3024,7 @@ def test_two_ranks_print_one_table_and_rank_0_writes_the_files(dataset, tmp_path
     assert report['ranks'] == 2 and len(report['runs'][0]['rows']) == T.TINY['epochs']
     assert report['runs'][0]['rows'][-1]['valid_acc'] > 0.2      # chance is 0.1; 2 epochs gave 0.165-0.365 by seed
     assert png_size(tmp_path / 'r.png') == ONE_JOB_PNG
-    T.ResNet9(torch.zeros(27, 3, 3, 3), {**T.HYP, **T.TINY}).load_state_dict(torch.load(tmp_path / 'ema.pt')['state_dict'])
+    T.ResNet9({**T.HYP, **T.TINY}).load_state_dict(torch.load(tmp_path / 'ema.pt')['state_dict'])
 
 
 @contextlib.contextmanager
@@ -2950,8 +3043,8 @@ def short_float64_run(data, rank=0, world=1):
     copies the model. The EMA's state and the rows (rank, world: the processes that split batches)."""
     short = {k: v[:128] if k.startswith('train') else v for k, v in data.items()}
     hyp = {**T.HYP, **T.TINY, 'epochs': 1, 'lr_peak': 1.0, 'lr_floor': 1.0, 'ema_every': 1, 'ema_momentum': 0.0}
-    networks = T.warmed_up_trainer(short, hyp, torch.device('cpu'), torch.float64, False, T.silent, rank, world)
-    rows = T.train_run(short, networks, hyp, 0, lambda row: None)
+    networks = T.warmed_up_trainer(short, hyp, torch.device('cpu'), torch.float64, False, T.print_nothing, rank, world)
+    rows = T.train_run(short, T.upload_test_set(short, networks), networks, hyp, 0, lambda row: None)
     return networks.ema.state_dict(), rows
 
 
@@ -2963,8 +3056,8 @@ cpu, out = torch.device('cpu'), {out!r}
 T.join_process_group(cpu)                         # the ranks split each batch
 data = T.load_cifar10(T.ensure_cifar10({data!r}))
 hyp = {{**T.HYP, **T.TINY, 'epochs': 2}}            # 30 steps of --tiny: the ranks must still agree bit for bit
-networks = T.warmed_up_trainer(data, hyp, cpu, torch.float32, False, T.silent, rank, world)
-T.train_run(data, networks, hyp, 0, lambda row: None)
+networks = T.warmed_up_trainer(data, hyp, cpu, torch.float32, False, T.print_nothing, rank, world)
+T.train_run(data, T.upload_test_set(data, networks), networks, hyp, 0, lambda row: None)
 torch.save(networks.ema.state_dict(), f'{{out}}/long_{{rank}}.pt')
 ema, rows = short_float64_run(data, rank, world)
 torch.save(ema, f'{{out}}/short_{{rank}}.pt')
@@ -3044,17 +3137,18 @@ def test_a_batch_that_does_not_split_over_the_ranks_stops_the_job(dataset, monke
 
 
 def test_ranks_take_interleaved_shares_of_one_shuffled_order():
+    """Rank r of 4 trains on positions r, r + 4, ... of each batch of the one process's epoch, each
+    image augmented as there, so that the ghost batch-norm splits hold the same images."""
     n, batch = 640, 64
-    padded, labels = constant_images(n), torch.arange(n) % 10
-    hyp = {**T.HYP, 'batch_size': batch, 'cutout': 0}
-    shares = []
+    padded, labels = torch.rand(n, 3, 40, 40), torch.arange(n) % 10
+    hyp = {**T.HYP, 'batch_size': batch, 'cutout': 8}
+    whole, whole_labels, steps = T.augmented_epoch(padded, labels, hyp, torch.Generator().manual_seed(7),
+                                                   torch.channels_last)
     for rank in range(4):
-        images, _, steps = T.augmented_epoch(padded, labels, hyp, torch.Generator().manual_seed(7), rank, 4)
-        shares.append(images[:, 0, 0, 0].long().view(steps, batch // 4))
-    whole, _, _ = T.augmented_epoch(padded, labels, hyp, torch.Generator().manual_seed(7))
-    whole = whole[:, 0, 0, 0].long().view(steps, batch)
-    for rank in range(4):                                        # rank r: images r, r+4, ... of each batch
-        assert torch.equal(shares[rank], whole[:, rank::4])
+        images, share_labels, _ = T.augmented_epoch(padded, labels, hyp, torch.Generator().manual_seed(7),
+                                                    torch.channels_last, rank, 4)
+        assert torch.equal(images.reshape(steps, batch // 4, -1), whole.reshape(steps, batch, -1)[:, rank::4])
+        assert torch.equal(share_labels.view(steps, -1), whole_labels.view(steps, batch)[:, rank::4])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -3147,13 +3241,13 @@ import train_cifar10 as T
 rank = int(os.environ['RANK'])
 real, path = T.train_run, Path({path!r})
 failed = path.with_name('failed')
-def train_run(data, networks, hyp, seed, *args, **kwargs):
+def train_run(data, test_set, networks, hyp, seed, *args, **kwargs):
     if rank == 1 and seed == 3 and not failed.exists():   # run 4 of the first job, once runs 1-2 are kept
         while not (path.exists() and len(json.loads(path.read_text())['runs']) == 2):
             time.sleep(0.1)
         failed.touch()
         raise RuntimeError('rank 1 fails in run 4')
-    return real(data, networks, hyp, seed, *args, **kwargs)
+    return real(data, test_set, networks, hyp, seed, *args, **kwargs)
 T.train_run = train_run
 sys.exit(T.main())
 """
@@ -3184,7 +3278,7 @@ def test_spread_runs_train_the_runs_of_one_process_and_a_rank_that_fails_costs_o
     assert resumed.returncode == 0, resumed.stderr
     assert [resumed.stdout.count(f'run {k}/5 (seed {k - 1})') for k in (1, 2, 3, 4, 5)] == [0, 0, 1, 1, 1]
     assert 'runs: 5 finished' in resumed.stdout
-    assert re.search(r'job: 3 runs in [\d.]+ s of wall time after the warm-up over 2 ranks, \d+ runs an hour',
+    assert re.search(r'job: 3 runs in [\d.]+ s of wall time after the warm-up over 2 ranks, \d+ runs per hour',
                      resumed.stdout)
     job, one = T.read_job(path, '--json'), one_process_job
     assert [without_times(r) for r in job['runs'][:4]] == [without_times(r) for r in one['runs']]
@@ -3272,9 +3366,9 @@ def our_steps(device, dtype, compiled, hyp):
     """train_epoch over the given batches, on networks built as main builds them, with the given
     speed settings."""
     networks = T.Trainer(hyp, device, dtype, compiled)
-    networks.reinitialise(torch.randn(27, 3, 3, 3), seed=0)
+    networks.new_run(hyp, 0, torch.randn(27, 3, 3, 3))
     layout = networks.memory_format
-    return lambda x, y, steps: T.train_epoch(networks, x.contiguous(memory_format=layout), y, 2, steps, hyp)
+    return lambda x, y, steps: T.train_epoch(networks, x.contiguous(memory_format=layout), y, [0.5] * steps, hyp)
 
 
 def page_steps(page, device, dtype, batch_size):
@@ -3294,7 +3388,7 @@ def test_benchmark_full_width_training_steps():
     dtype = torch.float16 if device.type == 'cuda' else torch.float32
     n_steps, batch = int(os.environ.get('BENCHMARK_STEPS', 50)), 512
     hyp = dict(T.HYP)
-    default = T.compile_mode(None, device)                        # CUDA graphs on a GPU
+    default = T.pick_compile_mode(None, device)                        # CUDA graphs on a GPU
     steps = {'eager (NCHW)': our_steps(device, dtype, False, hyp),
              f'compiled ({default}), the default': our_steps(device, dtype, default, hyp)}
     if os.environ.get('PAGE_CODE'):

@@ -53,15 +53,15 @@ HYP = dict(
     train_images=50000,      # the first N training images: all of CIFAR-10's, or fewer for a ...
     test_images=10000,       # ... learning curve or a quick check; the first N test images
 )
-# ==== 1. Preprocessing and augmentation of the uint8 images, on the device, a whole epoch at once
+# ==== 1. Preprocessing and augmentation on the device, one epoch's images at a time ==========
 NUM_CLASSES = 10
 # Page's per-channel statistics of the CIFAR-10 training set, on the 0-255 scale.
 CIFAR10_MEAN = (125.31, 122.95, 113.87)
 CIFAR10_STD = (62.99, 62.09, 66.70)
 
 
-def normalise(images, device, dtype):
-    """Upload uint8 N x 3 x 32 x 32 images and normalise them per channel on the device."""
+def upload_normalised(images, device, dtype):
+    """uint8 N x 3 x 32 x 32 images, copied to the device and normalised per channel there."""
     x = torch.from_numpy(images).to(device).float()
     mean = torch.tensor(CIFAR10_MEAN, device=device).view(1, 3, 1, 1)
     std = torch.tensor(CIFAR10_STD, device=device).view(1, 3, 1, 1)
@@ -69,72 +69,64 @@ def normalise(images, device, dtype):
 
 
 def balanced_choice(n, options, max_options, generator):
-    """For each of n images one of options choices, as Page's loader draws them: at most
-    max_options of them, each an equal share (Page 8: a GPU crops an offset's images at once)."""
+    """One of `options` choices for each of n positions, as Page's loader draws them: at most
+    max_options distinct choices, each given to an equal share of the positions (within one)."""
     picked = torch.randperm(options, generator=generator)[:max_options]
     return picked[torch.randperm(n, generator=generator) % len(picked)]
 
 
 def draw_augmentation(n, hyp, generator):
-    """Every random choice of an epoch, index tensors on the CPU: crops, flips, cutout, order."""
-    crops = 2 * hyp['pad'] + 1                                 # offsets 0 .. 2 x pad, each way
+    """Every random choice of an epoch of n images, drawn on the CPU so that a seed gives the same
+    run on any device. One row per kind of choice, one column per position in the epoch: the image
+    there, its crop offset (top, left), whether it is flipped, and its cutout corner if any."""
+    crops = 2 * hyp['pad'] + 1  # offsets 0 to 2 x pad, down and across
     offset = balanced_choice(n, crops * crops, hyp['augment_options'], generator)
-    draws = dict(top=offset // crops, left=offset % crops,
-                 flip=balanced_choice(n, 2, hyp['augment_options'], generator) == 1)
+    flip = balanced_choice(n, 2, 2, generator)  # half of the images are mirrored
+    rows = [torch.randperm(n, generator=generator), offset // crops, offset % crops, flip]
     if hyp['cutout']:
-        corners = 32 - hyp['cutout'] + 1                      # corners 0 .. 32 - cutout, each way
+        corners = 33 - hyp['cutout']  # corners 0 to 32 - cutout, down and across
         corner = balanced_choice(n, corners * corners, hyp['augment_options'], generator)
-        draws.update(cutout_top=corner // corners, cutout_left=corner % corners)
-    draws['order'] = torch.randperm(n, generator=generator)
-    return draws
-
-
-def crop(padded, top, left, size):
-    """Image i's size x size window at (top[i], left[i]), cut as one slice an offset."""
-    crops = padded.new_empty(len(padded), padded.shape[1], size, size)
-    offsets = sorted(set(zip(top.tolist(), left.tolist())))  # 81 for a pad of 4
-    groups = [torch.nonzero((top == y) & (left == x)).flatten() for y, x in offsets]  # on the CPU
-    indices = torch.cat(groups).to(padded.device).split(list(map(len, groups)))  # one upload
-    for (y, x), index in zip(offsets, indices):
-        window = padded[:, :, y:y + size, x:x + size]
-        crops.index_copy_(0, index, window.index_select(0, index))
-    return crops
-
-
-def flip(images, which):
-    """Mirror left-right the images where `which` is true."""
-    return torch.where(which.view(-1, 1, 1, 1), images.flip(3), images)
+        rows += [corner // corners, corner % corners]
+    return torch.stack(rows)
 
 
 def cutout(images, top, left, size):
-    """Zero (the mean colour, once normalised) image i's size x size square at (top[i], left[i])."""
-    _, _, h, w = images.shape
-    ys = torch.arange(h, device=images.device).view(1, h, 1)
-    xs = torch.arange(w, device=images.device).view(1, 1, w)
-    top, left = top.view(-1, 1, 1), left.view(-1, 1, 1)
-    inside = (ys >= top) & (ys < top + size) & (xs >= left) & (xs < left + size)
-    return images.masked_fill(inside[:, None], 0)
+    """Zero image i's size x size square at (top[i], left[i]), in place (0 is the mean colour)."""
+    positions = torch.arange(images.shape[-1], device=images.device)
+    rows = (positions >= top.view(-1, 1)) & (positions < top.view(-1, 1) + size)
+    columns = (positions >= left.view(-1, 1)) & (positions < left.view(-1, 1) + size)
+    return images.masked_fill_(rows.view(-1, 1, 32, 1) & columns.view(-1, 1, 1, 32), 0)
 
 
-def augmented_epoch(padded, labels, hyp, generator, rank=0, world=1):
-    """A fresh crop, flip (and cutout) of every image, shuffled and cut into whole batches. Under
-    torchrun every rank draws the same and keeps images rank, rank + world, ... of each batch, so
-    the ghost batch-norm splits hold the images they hold in one process."""
-    cpu_draws = draw_augmentation(len(padded), hyp, generator)  # crop groups images by these
-    draws = {k: v.to(padded.device) for k, v in cpu_draws.items()}
-    images = flip(crop(padded, cpu_draws['top'], cpu_draws['left'], 32), draws['flip'])
+def augmented_epoch(padded, labels, hyp, generator, layout, rank=0, world=1):
+    """A fresh augmentation of every image, in a fresh order, cut into whole batches: the images
+    (in the step's memory layout), their labels and the number of steps. Each image is the 32 x 32
+    window of its padded image at its offset, read right to left where it is flipped; one gather
+    makes every crop and flip, in the order drawn. The draws reach the device in one copy. Under
+    torchrun each rank keeps positions rank, rank + world, ... of each batch, so that the ghost
+    batch-norm splits hold the images they hold in one process."""
+    draws = draw_augmentation(len(padded), hyp, generator)
+    if padded.device.type == 'cuda':  # from pinned memory the copy is queued and the host goes on
+        draws = draws.pin_memory()
+    draws = draws.to(padded.device, non_blocking=True)
+    batch = hyp['batch_size']
+    steps = len(padded) // batch  # the last partial batch is dropped
+    draws = draws[:, :steps * batch].view(len(draws), steps, batch // world, world)[..., rank]
+    order, top, left, flip, *corner = draws.flatten(1)
+    positions = torch.arange(32, device=padded.device)
+    rows = top.view(-1, 1, 1) + positions.view(1, 32, 1)
+    mirrored = torch.where(flip.view(-1, 1) == 1, 31 - positions, positions)
+    columns = (left.view(-1, 1) + mirrored).view(-1, 1, 32)
+    images = padded[order.view(-1, 1, 1), :, rows, columns]  # N x 32 x 32 x 3
+    images = images.permute(0, 3, 1, 2)  # N x 3 x 32 x 32, in channels_last memory
     if hyp['cutout']:
-        images = cutout(images, draws['cutout_top'], draws['cutout_left'], hyp['cutout'])
-    b = hyp['batch_size']
-    steps = len(images) // b  # drop the last partial batch
-    order = draws['order'][:steps * b].view(steps, b // world, world)
-    order = order[:, :, rank].reshape(-1)  # this rank's: positions rank, rank + world, ... of each
-    return images[order], labels[order], steps
+        cutout(images, *corner, hyp['cutout'])
+    return images.contiguous(memory_format=layout), labels[order], steps
 
 
 # ==== 2. The network: whitening, ghost batch norm, ResNet9, its flip-TTA forward ===============
 def at_least_fp32(dtype):
-    """fp32 for fp16 and bf16, else dtype itself (float64 stays): see to_training_precision."""
+    """fp32 for fp16 and bf16, else dtype itself (float64 stays), as to_training_precision says."""
     return torch.promote_types(dtype, torch.float32)
 
 
@@ -149,10 +141,11 @@ def patch_moment(images):
 
 
 def whitening_filters(images, eps):
-    """Page's first layer: fixed 3x3 conv filters that whiten the images' 27-dim patches, the
-    eigenvectors of their second moment (uncentred, as Page's) over sqrt(eigenvalue + eps), largest
-    first. Batch norm scales channels but leaves nearby pixels and colours correlated; whitened
-    patches are not, which the network would take epochs to learn (Page 8: 94.1 -> 94.4 %)."""
+    """Page's first layer: 27 fixed 3x3 conv filters that whiten the images' 3x3 patches. They are
+    the eigenvectors of the patches' second moment (uncentred, as Page's), each divided by
+    sqrt(eigenvalue + eps), the largest first. Batch norm scales each channel but leaves nearby
+    pixels and colours correlated. Whitened patches are not, and the network would take epochs to
+    learn that (Page 8: 94.1 -> 94.4 %)."""
     moment = patch_moment(images).cpu().double()  # eigenvectors in float64, on the CPU
     eigenvalues, eigenvectors = torch.linalg.eigh(moment)  # in ascending order
     eigenvalues, eigenvectors = eigenvalues.flip(0), eigenvectors.T.flip(0)
@@ -161,37 +154,42 @@ def whitening_filters(images, eps):
 
 
 class WhitenedPrep(nn.Module):
-    """Page's whitening (3x3, 3 -> 27 channels), then a trainable 1x1 prep conv (27 -> c_out), as
-    the one 3x3 conv they compose to, its filters formed at every step from the c_out x 27 weights:
-    the same function and gradient, and the whitened 27-channel image is never written."""
+    """Page's whitening (a 3x3 conv from 3 to 27 channels) followed by the trainable 1x1 prep conv
+    (27 to c_out channels), computed as the single 3x3 conv they compose to. Its filters are formed
+    from the c_out x 27 weights at every step. The function and the gradient are the same, and the
+    27-channel whitened image is never written."""
 
     def __init__(self, whitening, c_out, learned=False):
         super().__init__()
-        if learned:  # whitening='learned': the filters are a weight, trained from the whitening
+        if learned:  # whitening='learned' trains the filters, starting from the whitening
             self.whitening = nn.Parameter(whitening)
         else:
             self.register_buffer('whitening', whitening)  # fixed, never trained
         self.weight = nn.Parameter(torch.empty(c_out, len(whitening)))
-        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))  # nn.Conv2d's draw: fan-in 27
+        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))  # as nn.Conv2d draws, fan-in 27
 
     def forward(self, x):
-        wide = at_least_fp32(x.dtype)  # cheap on 3 channels; see to_training_precision
+        wide = at_least_fp32(x.dtype)  # cheap on 3 channels, as to_training_precision says
         filters = self.weight.to(wide) @ self.whitening.to(wide).flatten(1)
         filters = filters.view(-1, *self.whitening.shape[1:])
         return F.conv2d(x.to(wide), filters, padding=1).to(x.dtype)
 
 
 class GhostBatchNorm(nn.BatchNorm2d):
-    """Batch norm over splits of split_size images (0: the whole batch); split k of s holds images
-    k, k+s, ... Page 8: ~32 images work best, their noisier statistics regularise (94.1 -> 94.2 %);
-    scales frozen at 1, with CELU's alpha and the biases' lr and decay scaled to match: 94.2 %.
-    In fp32, in any layout: var_mean and arithmetic, which the compiler fuses with their neighbours;
-    the running statistics move towards the mean of the splits' statistics."""
+    """Batch norm over splits of split_size images (0 means the whole batch). Split k of s holds
+    images k, k + s, k + 2s, ... Page 8: splits of about 32 images work best, because their noisier
+    statistics regularise (94.1 -> 94.2 %). The scales are frozen at 1, and CELU's alpha and the
+    biases' rate and decay are scaled to match (94.2 %). It computes in fp32 whatever the dtype.
+
+    In NCHW memory a view makes the splits the channels of one batch_norm, as in Page's code. In
+    channels_last memory no view can, so var_mean and arithmetic compute the same there, which the
+    compiler fuses with the layers around them. The running statistics move towards the mean of
+    the splits' statistics."""
 
     def __init__(self, channels, split_size, frozen_scale=True):
         super().__init__(channels)
         self.split_size = split_size
-        self.weight.requires_grad_(not frozen_scale)  # Page: a scale of 1; only the bias learns
+        self.weight.requires_grad_(not frozen_scale)  # Page keeps the scale at 1: only the bias learns
 
     def forward(self, x):
         if not self.training:  # the running statistics, in fp32
@@ -199,29 +197,39 @@ class GhostBatchNorm(nn.BatchNorm2d):
         n, c, h, w = x.shape
         size = self.split_size or n
         splits = n // size
-        xs = x.view(-1, splits, c, h, w).to(at_least_fp32(x.dtype))  # split k: xs[:, k]
-        var, mean = torch.var_mean(xs, dim=(0, 3, 4), correction=0, keepdim=True)
-        scale = torch.rsqrt(var + self.eps) * self.weight.view(1, 1, c, 1, 1)
-        y = ((xs - mean) * scale + self.bias.view(1, 1, c, 1, 1)).to(x.dtype)
-        with torch.no_grad():  # the variance kept is the unbiased one, as batch_norm's
-            bessel = size * h * w / (size * h * w - 1)
-            mean, var = mean.view(splits, c).mean(0), var.view(splits, c).mean(0) * bessel
+        wide = x.to(self.running_mean.dtype)
+        if x.is_contiguous():  # NCHW
+            statistics = wide.new_zeros(2, splits * c)  # with momentum 1, each split's own
+            y = F.batch_norm(wide.view(-1, splits * c, h, w), statistics[0], statistics[1],
+                             self.weight.repeat(splits), self.bias.repeat(splits), True, 1.0,
+                             self.eps)
+            mean, var = statistics.view(2, splits, c).mean(1)
+        else:
+            xs = wide.view(-1, splits, c, h, w)  # split k is xs[:, k]
+            var, mean = torch.var_mean(xs, dim=(0, 3, 4), correction=0, keepdim=True)
+            scale = torch.rsqrt(var + self.eps) * self.weight.view(1, 1, c, 1, 1)
+            y = (xs - mean) * scale + self.bias.view(1, 1, c, 1, 1)
+            unbiased = size * h * w / (size * h * w - 1)  # batch_norm keeps the unbiased variance
+            mean, var = mean.view(splits, c).mean(0), var.view(splits, c).mean(0) * unbiased
+        with torch.no_grad():
             torch._foreach_lerp_([self.running_mean, self.running_var], [mean, var], self.momentum)
-        return y.view(n, c, h, w)
+        return y.view(n, c, h, w).to(x.dtype)
 
 
 def conv_bn(c_in, c_out, hyp, pool=False, conv=None):
-    """3x3 conv (or conv; no bias: batch norm follows), optional 2x2 max-pool, ghost batch norm,
-    CELU. Page pools before batch norm, a quarter of its work: 0.1 % less accuracy, which one more
-    epoch won back. CELU, smooth where ReLU bends, is easier to train (Page 8: 94.1 -> 94.3 %)."""
-    conv = nn.Conv2d(c_in, c_out, 3, padding=1, bias=False) if conv is None else conv
+    """A 3x3 conv without bias (the batch norm's bias follows), an optional 2x2 max-pool, ghost
+    batch norm and CELU. A first layer passes its own conv. Page pools before batch norm, which then
+    has a quarter of the work: that cost 0.1 % of accuracy, which one more epoch won back. CELU is
+    smooth where ReLU bends at 0, and easier to train (Page 8: 94.1 -> 94.3 %)."""
+    if conv is None:
+        conv = nn.Conv2d(c_in, c_out, 3, padding=1, bias=False)
     return nn.Sequential(conv, *([nn.MaxPool2d(2)] if pool else []),
                          GhostBatchNorm(c_out, hyp['bn_split_size'], hyp['bn_scale_frozen']),
                          nn.CELU(hyp['celu_alpha']) if hyp['celu_alpha'] else nn.ReLU())
 
 
 class Residual(nn.Module):
-    """x + f(x), with f two conv_bn blocks."""
+    """x + f(x), where f is two conv_bn blocks."""
 
     def __init__(self, channels, hyp):
         super().__init__()
@@ -233,13 +241,19 @@ class Residual(nn.Module):
 
 class ResNet9(nn.Module):
     """Page's ResNet9: whitening and prep, three pooled layers (two with residual branches), a
-    global max-pool, a linear head, logits x 1/16 (Page 8: the output scaled to suit the scales)."""
+    global max-pool, a linear head, and logits x 1/16 (Page 8: an output scale to suit the frozen
+    batch-norm scales). whitening holds the first layer's 27 filters; without it they are zeros
+    until weights are loaded. The model keeps hyp, which rebuilds it."""
 
-    def __init__(self, whitening, hyp):
+    def __init__(self, hyp, whitening=None):
         super().__init__()
+        self.hyp = hyp
         prep, c1, c2, c3 = hyp['channels']
-        learned = hyp['whitening'] == 'learned'  # 'none': a plain 3x3 conv, as Page's first nets
-        first = None if hyp['whitening'] == 'none' else WhitenedPrep(whitening, prep, learned)
+        first = None  # with whitening 'none', a plain 3x3 conv, as in Page's first networks
+        if hyp['whitening'] != 'none':
+            if whitening is None:  # zeros until a run's or a file's weights are set
+                whitening = torch.zeros(27, 3, 3, 3)
+            first = WhitenedPrep(whitening, prep, learned=hyp['whitening'] == 'learned')
         self.prep = conv_bn(3, prep, hyp, conv=first)
         self.layer1 = nn.Sequential(conv_bn(prep, c1, hyp, pool=True), Residual(c1, hyp))
         self.layer2 = conv_bn(c1, c2, hyp, pool=True)
@@ -249,47 +263,49 @@ class ResNet9(nn.Module):
 
     def forward(self, x):
         x = self.layer3(self.layer2(self.layer1(self.prep(x))))
-        # Page's 4x4 max-pool, global here; not amax, whose compiled half backward gave NaN
+        # Page's 4x4 max-pool is global here. amax would do the same, but its compiled backward
+        # in half precision gave NaN.
         return self.head(F.max_pool2d(x, 4).flatten(1)) * self.logit_scale
 
 
 def flip_tta_logits(model, images):
-    """The logits of each image, and their mean with its left-right mirror's (flip test-time
-    augmentation), in one forward pass. The mean is the same for an image and its mirror: the
+    """The logits of each image, and their mean with its mirror image's (flip test-time
+    augmentation), in one forward pass. The mean is the same for an image and its mirror, an
     invariance that training's random flips only teach (Page 8: 94.1 -> 94.6 %, the most of all)."""
     plain, mirrored = model(torch.cat([images, images.flip(3)])).split(len(images))
     return plain, (plain + mirrored) / 2
 
 
 def to_training_precision(model, dtype, device='cpu', layout=torch.contiguous_format):
-    """The network in the job's dtype but for the parts in fp32 (at_least_fp32). What runs in
-    which precision, in training and evaluation alike (dtype: fp16 on CUDA, fp32 on a CPU):
-      dtype  convolutions, pooling, CELU, the head: nearly all the FLOPs, on tensor cores
-      fp32   batch norm: it divides by a variance of small differences
-      fp32   the whitened prep conv: in fp16 its 1x1 weights' gradient is off by up to 2 %
-             (30 % in bf16): the whitening's small-eigenvalue directions cancel most of it
-      fp32   the loss (summed_loss, evaluate): a log of a sum of exponentials
-      fp32   the EMA's average, and the optimiser's copies of bf16 weights: bf16 would round a
-             decay step (5e-4 of a weight) away; fp16 weights are updated in place, as Page's
-    The harness turns TF32 off: fp32 is fp32 on every GPU, whatever its generation."""
+    """The network in the job's dtype but for the parts that stay in fp32 (at_least_fp32). The
+    precision of each part, in training and evaluation alike (dtype is fp16 on CUDA, fp32 on a CPU):
+      dtype  convolutions, pooling, CELU and the head: nearly all the FLOPs, on tensor cores
+      fp32   batch norm, which divides by a variance of small differences
+      fp32   the whitened prep conv, whose 1x1 weights' gradient is off by up to 2 % in fp16
+             (30 % in bf16), because the whitening's small-eigenvalue directions cancel most of it
+      fp32   the loss (summed_loss, evaluate), a log of a sum of exponentials
+      fp32   the EMA's average and the optimiser's copies of bf16 weights, because bf16 would round
+             a decay step (5e-4 of a weight) away; fp16 weights are updated in place, as Page's
+    The harness turns TF32 off, so that fp32 is fp32 on every GPU."""
     model.to(device, dtype, memory_format=layout)
     for module in model.modules():
         if isinstance(module, nn.BatchNorm2d):
             module.to(at_least_fp32(dtype))
-        elif isinstance(module, WhitenedPrep):  # a buffer, or a parameter (learned)
+        elif isinstance(module, WhitenedPrep):  # a buffer, or a parameter when learned
             module.whitening.data = module.whitening.data.to(at_least_fp32(dtype))
     return model
 
 
-# ==== 3. Training: schedule, optimiser, EMA, what every run reuses, one epoch =================
+# ==== 3. Training: schedule, optimiser, EMA, the networks runs reuse, one epoch ================
 def lr_schedule(hyp, epoch):
-    """Page's piecewise-linear schedule at a fractional epoch: 0 -> lr_peak at epochs/5 -> lr_floor
-    from epochs - floor_epochs on (or halfway from peak to end, in runs too short for that)."""
+    """Page's piecewise-linear schedule at a fractional epoch (or an array of them). It rises from 0
+    to lr_peak at epochs / 5, falls to lr_floor at epochs - floor_epochs and stays there. A run too
+    short for that reaches the floor halfway from the peak to the end."""
     epochs = hyp['epochs']
     peak, floor = epochs / 5, epochs - hyp['floor_epochs']
     if floor <= peak:
         floor = (peak + epochs) / 2
-    return float(np.interp(epoch, [0, peak, floor], [0, hyp['lr_peak'], hyp['lr_floor']]))
+    return np.interp(epoch, [0, peak, floor], [0, hyp['lr_peak'], hyp['lr_floor']])
 
 
 class Nesterov:
@@ -297,12 +313,13 @@ class Nesterov:
 
     Each step's gradient (plus weight decay) is multiplied by that step's learning rate before it
     enters the momentum buffer v:  dw = -lr_t (g + wd w);  v <- m v + dw;  w <- w + dw + m v.
-    torch.optim.SGD applies the current rate to the whole buffer: as the rate rises, its steps
-    would be up to 45 % larger. bf16 weights step through fp32 copies ('masters'), fp16 in place."""
+    torch.optim.SGD applies the current rate to the whole buffer instead, so that its steps would be
+    up to 45 % larger while the rate rises. As in Page's code, dw is the gradient itself, updated
+    in place. bf16 weights step through fp32 copies (masters); other weights are their own."""
 
     def __init__(self, groups, momentum):
         self.momentum, self.groups = momentum, []
-        self.masters = {}  # each weight's tensor that the update is applied to: bf16's fp32 copy
+        self.masters = {}  # the tensor each weight's update is applied to
         for group in groups:
             params = list(group['params'])
             bf16 = [p.dtype == torch.bfloat16 for p in params]
@@ -314,19 +331,12 @@ class Nesterov:
                                     bf16_masters=[w for w, low in zip(masters, bf16) if low]))
 
     @torch.no_grad()
-    def reset(self):
-        """A new run: zero momentum, and master copies of the re-initialised weights."""
-        for g in self.groups:
-            torch._foreach_zero_(g['velocities'])
-            torch._foreach_copy_(g['masters'], g['params'])  # bf16's copies; the rest: themselves
-
-    @torch.no_grad()
     def step(self, lr):
-        """One update at the schedule's value lr (times each group's lr_scale)."""
+        """One update at the schedule's value lr, times each group's lr_scale."""
         m = self.momentum
         for g in self.groups:
-            grads = [p.grad.to(w.dtype) for p, w in zip(g['params'], g['masters'])]
-            dw = torch._foreach_add(grads, g['masters'], alpha=g['weight_decay'])
+            dw = [p.grad.to(w.dtype) for p, w in zip(g['params'], g['masters'])]  # bf16's: copies
+            torch._foreach_add_(dw, g['masters'], alpha=g['weight_decay'])
             torch._foreach_mul_(dw, -lr * g['lr_scale'])
             torch._foreach_mul_(g['velocities'], m)
             torch._foreach_add_(g['velocities'], dw)
@@ -337,23 +347,24 @@ class Nesterov:
 
 
 def optimiser(model, hyp):
-    """Page's two groups: the batch-norm biases (bias_lr_scale) and every other trainable weight.
-    Another optimiser put here needs reset() once a run's weights are drawn, step(lr) after each
-    backward of the summed loss, and masters ({weight: the tensor it updates} or {}) for the EMA."""
+    """Page's two groups: the batch-norm biases, with bias_lr_scale, and every other trainable
+    weight. An optimiser put in its place needs step(lr) after each backward of the summed loss,
+    and masters, {weight: the tensor its update is applied to}, for the EMA."""
     norm_biases = {id(m.bias) for m in model.modules() if isinstance(m, nn.BatchNorm2d)}
     trainable = [p for p in model.parameters() if p.requires_grad]
     biases = [p for p in trainable if id(p) in norm_biases]
     weights = [p for p in trainable if id(p) not in norm_biases]
-    b, wd, k = hyp['batch_size'], hyp['weight_decay'], hyp['bias_lr_scale'] or 1  # 0: off, x 1
+    b, wd, k = hyp['batch_size'], hyp['weight_decay'], hyp['bias_lr_scale'] or 1  # 0 means x 1
     return Nesterov([dict(params=weights, lr_scale=1 / b, weight_decay=wd * b),
                      dict(params=biases, lr_scale=k / b, weight_decay=wd * b / k)], hyp['momentum'])
 
 
-def ema_tensors(model, masters=None):
+def averaged_tensors(model, masters=None):
     """What the EMA (exponential moving average) averages: every floating-point weight and batch
-    norm statistic, a weight's master copy where the optimiser keeps one (bf16's fp32 copies, not
-    their rounding). Page 8: a high rate travels far but ends noisy; an average of the last ~100
-    steps sits nearer the minimum than any one, so the rate need not fall to 0 (94.1 -> 94.3 %)."""
+    norm statistic, or the optimiser's master copy of a weight where it keeps one, so that bf16's
+    fp32 copies are averaged rather than their rounding. Page 8: a high rate travels far but ends
+    noisy. An average of the last 100 or so steps sits nearer the minimum than any one of them, so
+    the rate need not fall to 0 (94.1 -> 94.3 %)."""
     masters = masters or {}
     tensors = [*model.parameters(), *model.buffers()]
     return [masters.get(t, t) for t in tensors if t.is_floating_point()]
@@ -367,7 +378,7 @@ def ema_update(averages, tensors, momentum):
 
 def summed_loss(model, images, labels, label_smoothing):
     """The label-smoothed cross-entropy summed over the batch, in fp32, and the logits. Page 8:
-    targets part uniform keep the outputs from growing over-confident (94.1 -> 94.2 %)."""
+    targets that are partly uniform keep the outputs from growing over-confident (94.1 -> 94.2 %)."""
     logits = model(images)
     loss = F.cross_entropy(logits.to(at_least_fp32(logits.dtype)), labels,
                            label_smoothing=label_smoothing, reduction='sum')
@@ -375,51 +386,70 @@ def summed_loss(model, images, labels, label_smoothing):
 
 
 class Trainer:
-    """What every run reuses, built once: the network trained, its EMA (fp32), eval_network (into
-    which evaluate() copies the EMA in the network's precision), the optimiser, the loss and
-    flip-TTA functions (compiled: torch.compile's mode, in channels_last but on MPS; False: eager,
-    NCHW). rank, world: this process's place among the torchrun ranks that split each batch."""
+    """The networks that the runs of one graph setting reuse, each built once: the network trained,
+    its EMA in fp32, and eval_network, into which evaluate() copies the EMA in the network's dtype.
+    Also the loss and flip-TTA functions, compiled unless compile_mode is False (else it is
+    torch.compile's mode), and the memory layout: channels_last where compiled, except on MPS, and
+    NCHW otherwise. rank and world place this process among the torchrun ranks that split each
+    batch. new_run() starts each run."""
 
-    def __init__(self, hyp, device, dtype, compiled, rank=0, world=1):
-        self.hyp, self.device, self.dtype, self.rank, self.world = hyp, device, dtype, rank, world
-        channels_last = compiled and device.type != 'mps'
+    def __init__(self, hyp, device, dtype, compile_mode, rank=0, world=1):
+        self.device, self.dtype, self.rank, self.world = device, dtype, rank, world
+        channels_last = compile_mode and device.type != 'mps'
         layout = torch.channels_last if channels_last else torch.contiguous_format
         self.memory_format = layout
-        with torch.random.fork_rng(devices=[]):  # the caller's random state: as it was
-            initial = ResNet9(torch.zeros(27, 3, 3, 3), hyp)  # each run draws its own weights
-        self.network = to_training_precision(copy.deepcopy(initial), dtype, device, layout)
-        self.step_network = self.network  # what a step calls; under torchrun, the harness's DDP
-        self.eval_network = to_training_precision(copy.deepcopy(initial), dtype, device, layout)
-        self.ema = initial.to(device, at_least_fp32(dtype), memory_format=layout)
-        for model in (self.ema, self.eval_network):
-            model.eval().requires_grad_(False)
-        self.optimiser = optimiser(self.network, hyp)
-        self.ema_state = ema_tensors(self.ema)  # each list made once: an update is one call
-        self.trained_state = ema_tensors(self.network, self.optimiser.masters)
-        self.eval_state = ema_tensors(self.eval_network)
+
+        def network(dtype):  # its weights are left unset: new_run() draws them
+            with torch.device('meta'):
+                model = ResNet9(hyp)
+            return to_training_precision(model.to_empty(device=device), dtype, device, layout)
+        self.network = network(dtype)
+        self.eval_network = network(dtype).eval().requires_grad_(False)
+        self.ema = network(at_least_fp32(dtype)).eval().requires_grad_(False)
+        # The module a step calls: the network, or under torchrun the harness's wrapper, which
+        # averages the ranks' gradients.
+        self.synced_network = self.network
+        # The gradient of the summed loss that backward starts from: world, because under torchrun
+        # the wrapper averages the ranks' gradients, and the recipe's step is their sum.
+        self.loss_gradient = torch.tensor(float(world), device=device)
+        self.ema_tensors = averaged_tensors(self.ema)  # each list made once, for one call each
+        self.eval_tensors = averaged_tensors(self.eval_network)
         norms = [m for m in self.network.modules() if isinstance(m, nn.BatchNorm2d)]
         self.batch_norm_statistics = [t for m in norms for t in (m.running_mean, m.running_var)]
-        self.summed_loss, self.flip_tta_logits = summed_loss, flip_tta_logits
-        if compiled:
-            self.summed_loss = torch.compile(summed_loss, dynamic=False, mode=compiled)
-            self.flip_tta_logits = torch.compile(flip_tta_logits, dynamic=False, mode=compiled)
+        self.loss, self.tta_logits = summed_loss, flip_tta_logits
+        if compile_mode:
+            self.loss = torch.compile(summed_loss, dynamic=False, mode=compile_mode)
+            self.tta_logits = torch.compile(flip_tta_logits, dynamic=False, mode=compile_mode)
 
     @torch.no_grad()
-    def reinitialise(self, whitening, seed):
-        """A new ResNet9's weights, drawn on the CPU with seed (the same on any device), from a
-        generator of their own: the caller's random state stays as it was."""
-        with torch.random.fork_rng(devices=[]):
-            torch.random.default_generator.manual_seed(seed)
-            initial = ResNet9(whitening.cpu(), self.hyp).state_dict()
-        self.network.load_state_dict(initial)  # into its dtype and layout
-        self.ema.load_state_dict(initial)
-        self.optimiser.reset()
+    def new_run(self, hyp, seed, whitening=None):
+        """Start a run: new weights, and an optimiser with the run's settings. The weights are drawn
+        on the CPU from a generator seeded with seed, so that a seed gives the same weights on any
+        device and the caller's random state is untouched. Each convolution and the head are drawn
+        as torch draws them, in the order a ResNet9 builds them: the weights equal those of a
+        ResNet9 built after torch.manual_seed(seed). whitening: the first layer's filters, if any."""
+        generator = torch.Generator().manual_seed(seed)
+        for module in self.ema.modules():
+            if isinstance(module, nn.BatchNorm2d):
+                module.reset_parameters()  # a scale of 1, a bias of 0, statistics of 0 and 1
+            elif isinstance(module, (nn.Conv2d, nn.Linear, WhitenedPrep)):
+                weight = torch.empty(module.weight.shape)
+                nn.init.kaiming_uniform_(weight, a=math.sqrt(5), generator=generator)
+                module.weight.copy_(weight)
+            elif next(module.parameters(recurse=False), None) is not None:
+                raise TypeError(f'new_run() draws no weights for a {type(module).__name__}: add '
+                                'them there')
+            if isinstance(module, WhitenedPrep):
+                module.whitening.copy_(whitening)
+        self.network.load_state_dict(self.ema.state_dict())  # in the network's dtype and layout
+        self.optimiser = optimiser(self.network, hyp)
+        self.trained_tensors = averaged_tensors(self.network, self.optimiser.masters)
 
 
 @torch.no_grad()
 def average_over_ranks(tensors, world):
-    """Each tensor, in place, its mean over the world processes that split each batch under
-    torchrun (one all-reduce), so that every rank holds the same; alone (world 1), as it is."""
+    """Replace each tensor by its mean over the world processes that split each batch under
+    torchrun (one all-reduce), so that every rank holds the same. Alone (world 1), nothing changes."""
     if world > 1:
         flat = torch.cat([t.flatten() for t in tensors]) / world
         dist.all_reduce(flat)
@@ -427,34 +457,35 @@ def average_over_ranks(tensors, world):
             t.copy_(mean.view_as(t))
 
 
-def train_epoch(trainer, images, labels, epoch, steps, hyp):
-    """One pass over the batches: the summed loss and correct count (device tensors: nothing waits
-    for them), the last lr. The EMA updates after batches 0, 5, 10, ... (off: after the last)."""
-    batch = hyp['batch_size'] // trainer.world  # this process's images of a step
+def train_epoch(trainer, images, labels, rates, hyp):
+    """One pass over the epoch's batches, one step per learning rate in rates. Returns the summed
+    loss and the count of correct answers, as device tensors that nothing waits for. The EMA is
+    updated after batches 0, 5, 10, ... (without an EMA, it copies the weights after the last)."""
+    steps = len(rates)
+    batch = hyp['batch_size'] // trainer.world  # this process's images per step
     ema_steps = range(0, steps, hyp['ema_every']) if hyp['ema_momentum'] else [steps - 1]
-    update_momentum = hyp['ema_momentum'] ** hyp['ema_every']  # an update's, every ema_every steps
-    loss_sum = correct = 0  # tensors on the device after the first step
-    for i in range(steps):
-        step = (epoch - 1) * steps + i + 1  # the schedule at the step's end: the first lr is not 0
-        lr = lr_schedule(hyp, step / steps)
+    update_momentum = hyp['ema_momentum'] ** hyp['ema_every']  # one update per ema_every steps
+    loss_sum = correct = 0  # device tensors after the first step
+    for i, lr in enumerate(rates):
         x, y = images[i * batch:(i + 1) * batch], labels[i * batch:(i + 1) * batch]
-        trainer.network.zero_grad()  # to None before the forward: the last gradients are freed
-        loss, logits = trainer.summed_loss(trainer.step_network, x, y, hyp['label_smoothing'])
-        (loss * trainer.world).backward()  # DDP averages the ranks' gradients: x world, the sum
+        trainer.network.zero_grad()  # None frees the last step's gradients before the forward
+        loss, logits = trainer.loss(trainer.synced_network, x, y, hyp['label_smoothing'])
+        loss.backward(trainer.loss_gradient)
         trainer.optimiser.step(lr)
         if i in ema_steps:
             average_over_ranks(trainer.batch_norm_statistics, trainer.world)
-            ema_update(trainer.ema_state, trainer.trained_state, update_momentum)
+            ema_update(trainer.ema_tensors, trainer.trained_tensors, update_momentum)
         loss_sum += loss.detach()
         correct += (logits.argmax(1) == y).sum()
-    return loss_sum, correct, lr
+    return loss_sum, correct
 
 
 # ==== 4. Evaluation: the EMA model with flip test-time augmentation ============================
 def upload_test_set(data, trainer):
-    """This process's test images (rank, rank + world, ...) in the network's dtype, and labels."""
+    """This process's test images (rank, rank + world, ...) on the device in the network's dtype
+    and layout, and their labels."""
     share = slice(trainer.rank, None, trainer.world)
-    images = normalise(data['test_images'][share], trainer.device, trainer.dtype)
+    images = upload_normalised(data['test_images'][share], trainer.device, trainer.dtype)
     images = images.contiguous(memory_format=trainer.memory_format)
     labels = torch.from_numpy(data['test_labels'][share]).to(trainer.device, torch.int64)
     return images, labels
@@ -462,12 +493,13 @@ def upload_test_set(data, trainer):
 
 @torch.no_grad()
 def evaluate(trainer, images, labels, hyp):
-    """Summed loss (label-smoothed) and correct count of the EMA's weights, cast to the network's
-    precision, with flip-TTA (as hyp says), and the correct count of TTA's first view alone."""
-    torch._foreach_copy_(trainer.eval_state, trainer.ema_state)
-    loss_sum = correct = plain_correct = 0  # tensors on the device after the first batch
+    """The EMA's weights, cast to the network's dtype, on the test set: the summed loss (label
+    smoothed) and the count of correct answers, with flip-TTA if hyp says so, and the count of
+    correct answers of the first view alone."""
+    torch._foreach_copy_(trainer.eval_tensors, trainer.ema_tensors)
+    loss_sum = correct = plain_correct = 0  # device tensors after the first batch
     for x, y in zip(images.split(hyp['eval_batch_size']), labels.split(hyp['eval_batch_size'])):
-        plain, tta = trainer.flip_tta_logits(trainer.eval_network, x)
+        plain, tta = trainer.tta_logits(trainer.eval_network, x)
         logits = tta if hyp['flip_tta'] else plain
         loss_sum += F.cross_entropy(logits.to(at_least_fp32(logits.dtype)), y, reduction='sum',
                                     label_smoothing=hyp['label_smoothing'])
@@ -478,73 +510,88 @@ def evaluate(trainer, images, labels, hyp):
 
 # ==== 5. One run, timed by the DAWNBench rule ==================================================
 def synced_clock(device):
-    """The time once the device has done the work queued: CUDA and MPS run behind the host."""
+    """The time once the device has done the work queued, since CUDA and MPS run behind the host."""
     if device.type != 'cpu':
         torch.accelerator.synchronize(device)
     return time.perf_counter()
 
 
-def train_run(data, trainer, hyp, seed, on_epoch, steps_per_epoch=None):
-    """Train one model from the uint8 arrays: returns a row an epoch; its EMA is in trainer.ema.
-    seed fixes the weights and every augmentation draw (on the CPU: the same run on any device);
-    steps_per_epoch cuts a warm-up's epochs short. The clock skips the evaluation."""
+def diverged(rows):
+    """Whether the last epoch's training or test loss is NaN or infinite: the run has failed."""
+    return not (math.isfinite(rows[-1]['train_loss']) and math.isfinite(rows[-1]['valid_loss']))
+
+
+def train_run(data, test_set, trainer, hyp, seed, on_epoch, steps_per_epoch=None):
+    """Train one model on data's uint8 training arrays and return one row per epoch. The model's
+    EMA is left in trainer.ema. test_set is upload_test_set's. seed fixes the weights and every
+    augmentation draw, which are made on the CPU, so that a run is the same on any device.
+    steps_per_epoch cuts the epochs short for a warm-up. The clock leaves out the evaluation."""
     device, generator = trainer.device, torch.Generator().manual_seed(seed)
-    test, test_labels = upload_test_set(data, trainer)  # not timed
+    layout, rank, world = trainer.memory_format, trainer.rank, trainer.world
     start = synced_clock(device)
-    train = normalise(data['train_images'], device, trainer.dtype)
-    train_labels = torch.from_numpy(data['train_labels']).to(device, torch.int64)
-    padded = F.pad(train, (hyp['pad'],) * 4, mode='reflect')
-    whitening = torch.zeros(27, 3, 3, 3)  # what a network without whitening ('none') is given
+    images = upload_normalised(data['train_images'], device, trainer.dtype)
+    labels = torch.from_numpy(data['train_labels']).to(device, torch.int64)
+    padded = F.pad(images, (hyp['pad'],) * 4, mode='reflect')
+    whitening = None
     if hyp['whitening'] != 'none':
-        whitening = whitening_filters(train[:hyp['whitening_images']], hyp['whitening_eps'])
-        average_over_ranks([whitening], trainer.world)  # under torchrun, the same bit for bit
-    trainer.reinitialise(whitening, seed)
+        whitening = whitening_filters(images[:hyp['whitening_images']], hyp['whitening_eps'])
+        average_over_ranks([whitening], world)  # under torchrun, the same on every rank
+    del images  # the steps read the padded copy
+    trainer.new_run(hyp, seed, whitening)
+    epoch_images, epoch_labels, steps = augmented_epoch(padded, labels, hyp, generator, layout,
+                                                        rank, world)
+    steps = min(steps, steps_per_epoch or steps)
+    # The schedule's rate at the end of each step, so that the first step's is not 0.
+    rates = lr_schedule(hyp, np.arange(1, hyp['epochs'] * steps + 1) / steps).tolist()
     total_time, rows = synced_clock(device) - start, []
     for epoch in range(1, hyp['epochs'] + 1):
-        start = time.perf_counter()  # the device is idle: the last epoch's sums were read
-        images, labels, steps = augmented_epoch(padded, train_labels, hyp, generator,
-                                                trainer.rank, trainer.world)
-        images = images.contiguous(memory_format=trainer.memory_format)
-        steps = min(steps, steps_per_epoch or steps)
-        train_loss, train_correct, lr = train_epoch(trainer, images, labels, epoch, steps, hyp)
+        start = time.perf_counter()  # the device is idle, since the last epoch's sums were read
+        epoch_rates = rates[(epoch - 1) * steps:epoch * steps]
+        train_loss, train_correct = train_epoch(trainer, epoch_images, epoch_labels, epoch_rates,
+                                                hyp)
+        if epoch < hyp['epochs']:  # the next epoch's images, queued behind this epoch's steps
+            epoch_images, epoch_labels, _ = augmented_epoch(padded, labels, hyp, generator,
+                                                            layout, rank, world)
         train_time = synced_clock(device) - start
         start = time.perf_counter()
-        valid_loss, valid_correct, plain_correct = evaluate(trainer, test, test_labels, hyp)
+        valid_loss, valid_correct, plain_correct = evaluate(trainer, *test_set, hyp)
         valid_time = synced_clock(device) - start
         total_time += train_time
         sums = torch.stack([train_loss, train_correct, valid_loss, valid_correct, plain_correct])
-        if trainer.world > 1:
+        if world > 1:
             dist.all_reduce(sums)  # the sums over every process's share of the images
         train_loss, train_correct, valid_loss, valid_correct, plain_correct = sums.tolist()
         n_train, n_test = steps * hyp['batch_size'], len(data['test_images'])
-        rows.append(dict(epoch=epoch, lr=lr, train_time=train_time, train_loss=train_loss / n_train,
-                         train_acc=train_correct / n_train, valid_time=valid_time,
-                         valid_loss=valid_loss / n_test, valid_acc=valid_correct / n_test,
-                         total_time=total_time, plain_acc=plain_correct / n_test))
+        rows.append(dict(epoch=epoch, lr=epoch_rates[-1], train_time=train_time,
+                         train_loss=train_loss / n_train, train_acc=train_correct / n_train,
+                         valid_time=valid_time, valid_loss=valid_loss / n_test,
+                         valid_acc=valid_correct / n_test, total_time=total_time,
+                         plain_acc=plain_correct / n_test))
         on_epoch(rows[-1])
-        if not (math.isfinite(rows[-1]['train_loss']) and math.isfinite(rows[-1]['valid_loss'])):
-            break  # diverged: the caller reports the run as failed
+        if diverged(rows):
+            break  # the caller reports the run as failed
     return rows
 
 
 # #############################################################################################
-# Harness: what a run is given (device, dtype, compilation, ranks, --tiny's TINY), and all
-# around it: download, torchrun, the Python entry, reporting, statistics, job files, the command
-# line. It changes no number a run computes.
+# Harness: what a run is given (device, dtype, compilation, ranks, --tiny's TINY), and all that is
+# around it: the download, torchrun, the Python entry, reporting, statistics, job files and the
+# command line. It changes no number that a run computes.
 # #############################################################################################
 
-import argparse, contextlib, datetime, difflib, hashlib, http.client, importlib.util, inspect, io
-import json, os, pickle, platform, shutil, signal, sys, tarfile, tempfile, textwrap, urllib.request
+import argparse, codecs, contextlib, datetime, difflib, hashlib, http.client, importlib.util, inspect, io
+import json, numbers, os, pickle, platform, shutil, signal, sys, tarfile, tempfile, textwrap
+import urllib.request
 from pathlib import Path
 
-# --tiny: the recipe on a subset, narrow: seconds on 2 CPU cores. Its EMA momentum is 0.9: 0.99
-# averages over the last ~100 steps, too many of its 184.
+# --tiny runs the recipe narrow, on a subset, in seconds on 2 CPU cores. Its EMA momentum is 0.9,
+# because 0.99 would average over the last 100 or so steps, too many of its 184.
 TINY = dict(epochs=4, batch_size=64, train_images=3000, test_images=500, channels=(8, 16, 32, 64),
             ema_momentum=0.9, whitening_images=3000, eval_batch_size=250)
 
 
-def silent(*args, **kwargs):
-    """print's stand-in where nothing is printed: a rank but 0, train() unless asked."""
+def print_nothing(*args, **kwargs):
+    """Stands in for print on ranks other than 0, and in train() unless progress is asked for."""
 
 
 # ==== Download and safe loading of CIFAR-10's files ============================================
@@ -552,7 +599,7 @@ CLASSES = ('airplane', 'automobile', 'bird', 'cat', 'deer', 'dog', 'frog', 'hors
 CIFAR10_URL = 'https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz'
 CIFAR10_MD5 = 'c58f30108f718f92721af3b95e74349a'
 BATCHES_DIR = 'cifar-10-batches-py'
-OFFICIAL_MD5 = dict(zip(  # the batch files: five of training images, then the test images
+OFFICIAL_MD5 = dict(zip(  # the five batch files of training images, then the test images
     ['data_batch_1', 'data_batch_2', 'data_batch_3', 'data_batch_4', 'data_batch_5', 'test_batch'],
     ['c99cafc152244af753f735de768cd75f', 'd4bba439e000b95fd0a9bffe97cbabec',
      '54ebc095f3ab1f0389bbae665268c751', '634d18415352ddfa80567beed471001a',
@@ -564,8 +611,9 @@ class UserError(ValueError):
 
 
 def ensure_cifar10(data_dir, url=None, md5=CIFAR10_MD5):
-    """The folder of the batch files, data_dir or its cifar-10-batches-py; if missing, downloaded
-    (url, else $CIFAR10_URL, else the official one) through a part file and a staging folder."""
+    """The folder of the batch files, data_dir or its cifar-10-batches-py. If it is missing, it is
+    downloaded from url, else $CIFAR10_URL, else the official address, through a part file and a
+    staging folder, so that a download cut short leaves nothing that looks whole."""
     data_dir, url = Path(data_dir), url or os.environ.get('CIFAR10_URL') or CIFAR10_URL
     if (data_dir / 'data_batch_1').is_file():
         return data_dir
@@ -574,21 +622,21 @@ def ensure_cifar10(data_dir, url=None, md5=CIFAR10_MD5):
     try:
         if not (data_dir / BATCHES_DIR).is_dir():
             data_dir.mkdir(parents=True, exist_ok=True)
-            if not archive.exists():  # one already there: its extraction and the md5s judge it
+            if not archive.exists():  # an archive already there is judged by its contents
                 print(f'downloading {url}', file=sys.stderr)
                 with urllib.request.urlopen(url, timeout=60) as response, open(partial, 'wb') as f:
                     shutil.copyfileobj(response, f, 1 << 20)
                 got = hashlib.md5(partial.read_bytes()).hexdigest()
                 if got != md5:
-                    raise ValueError(f'its md5 is {got}, not {md5}: it is cut short or not the '
+                    raise ValueError(f'its md5 is {got}, not {md5}, so it is cut short or not the '
                                      'CIFAR-10 archive')
                 os.replace(partial, archive)
             with tempfile.TemporaryDirectory(dir=data_dir, prefix='.extract-') as staging:
                 with tarfile.open(archive, 'r:gz') as tar:
-                    tar.extractall(staging, filter='data')  # refuses absolute paths, links out
+                    tar.extractall(staging, filter='data')  # refuses absolute paths and links out
                 os.replace(os.path.join(staging, BATCHES_DIR), data_dir / BATCHES_DIR)
     except (OSError, ValueError, EOFError, tarfile.TarError, http.client.HTTPException) as e:
-        why = getattr(e, 'reason', e)  # a URLError's or HTTPError's reason
+        why = getattr(e, 'reason', e)  # the reason of a URLError or an HTTPError
         raise UserError(f'no CIFAR-10 in --data-dir {data_dir} (is that path right?), nor from '
                         f'{url} ({why}): put {BATCHES_DIR}/ there yourself, or delete a damaged '
                         f'{archive.name} there') from None
@@ -598,32 +646,52 @@ def ensure_cifar10(data_dir, url=None, md5=CIFAR10_MD5):
     return data_dir / BATCHES_DIR
 
 
-def images_problem(images, labels):
-    """Why images and labels are not uint8 N x 3 x 32 x 32 images (N > 0), an integer 0-9 each."""
-    images, labels = np.asarray(images), np.asarray(labels)
+class BatchUnpickler(pickle.Unpickler):
+    """Reads a CIFAR-10 batch file, a pickle of numpy arrays. It is given only the few names such
+    arrays need, so that a file made to run code when it is loaded runs none."""
+    reconstruct = np.ndarray.__reduce__(np.zeros(0))[0]  # numpy's own, whatever its module's name
+    NAMES = {('numpy.core.multiarray', '_reconstruct'): reconstruct,  # numpy 1's module name
+             ('numpy._core.multiarray', '_reconstruct'): reconstruct,  # numpy 2's
+             ('numpy', 'ndarray'): np.ndarray, ('numpy', 'dtype'): np.dtype,
+             ('_codecs', 'encode'): codecs.encode}  # how Python 3 pickles an array's bytes
+
+    def find_class(self, module, name):
+        if (module, name) not in self.NAMES:
+            raise pickle.UnpicklingError(f'it asks for {module}.{name}, which no batch file needs')
+        return self.NAMES[module, name]
+
+
+def images_problem(images, labels=None):
+    """Why images are not uint8 N x 3 x 32 x 32 (N > 0), or labels not an integer 0-9 for each
+    image, or None."""
+    images = np.asarray(images)
     if not (images.dtype == np.uint8 and images.shape[1:] == (3, 32, 32) and len(images)):
-        return f'not uint8 N x 3 x 32 x 32 images: {images.dtype} {images.shape}'
+        return f'not uint8 N x 3 x 32 x 32 images but {images.dtype} {images.shape}'
+    if labels is None:
+        return None
+    labels = np.asarray(labels)
     if labels.shape != (len(images),) or labels.dtype.kind not in 'iu':
-        return f'not {len(images)} integer labels: {labels.dtype} {labels.shape}'
+        return f'not {len(images)} integer labels but {labels.dtype} {labels.shape}'
     if labels.min() < 0 or labels.max() >= NUM_CLASSES:
         return f'labels from {labels.min()} to {labels.max()}, not within 0-{NUM_CLASSES - 1}'
     return None
 
 
 def load_cifar10(folder):
-    """The training and test sets (uint8 N x 3 x 32 x 32, int64 labels), provenance and digest."""
+    """The training and test sets (uint8 N x 3 x 32 x 32 images, int64 labels), where they come
+    from, and a digest of the six files."""
     images, labels, md5s = [], [], []
     for name in OFFICIAL_MD5:
         path = Path(folder) / name
         try:
             raw = path.read_bytes()
-            batch = pickle.loads(raw, encoding='latin1')  # a pickle: load only copies you trust
+            batch = BatchUnpickler(io.BytesIO(raw), encoding='latin1').load()
             pixels, classes = batch['data'], np.asarray(batch['labels'])
-            pixels = pixels.reshape(len(pixels), 3, 32, 32)  # rows of 3 x 32 x 32 values, or raises
+            pixels = pixels.reshape(len(pixels), 3, 32, 32)  # 3 x 32 x 32 values per row, or raises
             why = images_problem(pixels, classes)
             if why:
                 raise ValueError(why)
-        except Exception as e:  # a missing file, and the ways a damaged pickle fails
+        except Exception as e:  # a missing file, and the ways in which a damaged pickle fails
             why = e.strerror if isinstance(e, OSError) else f'{type(e).__name__}: {e}'
             raise UserError(f'{path}: not a CIFAR-10 python batch ({why}): {folder} must hold a '
                             'whole copy (without one, a --data-dir gets a download)') from None
@@ -641,11 +709,8 @@ def load_cifar10(folder):
 
 
 def first_images(data, hyp):
-    """data's first train_images and test_images (hyp's counts), checked: a UserError says why."""
-    for kind in ('train', 'test'):
-        why = images_problem(data[f'{kind}_images'], data[f'{kind}_labels'])
-        if why:
-            raise UserError(f"data['{kind}_images'], data['{kind}_labels']: {why}")
+    """data's first hyp['train_images'] training images and hyp['test_images'] test images, and
+    their labels, as numpy arrays."""
     data = {f'{kind}_{part}': np.asarray(data[f'{kind}_{part}'])[:hyp[f'{kind}_images']]
             for kind in ('train', 'test') for part in ('images', 'labels')}
     if len(data['train_images']) < hyp['batch_size']:
@@ -656,10 +721,11 @@ def first_images(data, hyp):
 
 # ==== Devices, precision and compilation =======================================================
 def pick_device(name, local_rank=None, share=False):
-    """The training device: the one named, or for auto the best there is; under torchrun the GPU
-    of the rank's LOCAL_RANK (share: LOCAL_RANK modulo the GPUs, for ranks that outnumber them)."""
+    """The training device: the one named, or for auto the best there is. Under torchrun it is the
+    GPU of the rank's LOCAL_RANK, or with share, LOCAL_RANK modulo the GPUs, for ranks that
+    outnumber them."""
     if name == 'auto':
-        accelerator = torch.accelerator.current_accelerator(check_available=True)  # None: a CPU
+        accelerator = torch.accelerator.current_accelerator(check_available=True)  # None on a CPU
         name = 'cpu' if accelerator is None else accelerator.type
     try:
         device = torch.device(name)
@@ -677,15 +743,17 @@ def pick_device(name, local_rank=None, share=False):
 
 
 def pick_dtype(name, device):
-    """The training dtype: fp16 on CUDA, else fp32, unless named (CPU fp16 is emulated: slow)."""
+    """The training dtype: the one named, else fp16 on CUDA and fp32 elsewhere (a CPU emulates
+    fp16, slowly)."""
     if name == 'auto':
         name = 'fp16' if device.type == 'cuda' else 'fp32'
     return dict(fp16=torch.float16, bf16=torch.bfloat16, fp32=torch.float32)[name]
 
 
-def compile_mode(option, device, tiny=False, batch_ranks=1):
-    """torch.compile's mode, or False (eager): compiled but for option False, MPS (experimental) and
-    --tiny (compiling outlasts it); CUDA graphs on CUDA, not where DDP splits batches (#139207)."""
+def pick_compile_mode(option, device, tiny=False, batch_ranks=1):
+    """torch.compile's mode, or False for eager. Compiled unless option is False, by default not on
+    MPS (experimental there) nor for --tiny (compiling would outlast it). The mode replays CUDA
+    graphs on CUDA, but not where DDP splits batches over ranks (pytorch#139207)."""
     if option is None:
         option = device.type != 'mps' and not tiny
     if not option:
@@ -693,30 +761,47 @@ def compile_mode(option, device, tiny=False, batch_ranks=1):
     return 'reduce-overhead' if device.type == 'cuda' and batch_ranks == 1 else 'default'
 
 
-def warmed_up_trainer(data, hyp, device, dtype, compiled, log, rank=0, world=1):
-    """A Trainer (DDP's where ranks split batches), compiled if asked and its step checked, then
-    an untimed run of 2 steps (two on a GPU: cuDNN's search, CUDA graphs) takes one-off costs."""
-    TRAINERS.clear()  # one at a time (GPU memory): torch.compile keeps 8 graphs of a function
-    torch.compiler.reset()  # the last Trainer's graphs, which would count towards those 8
-    torch.backends.cudnn.benchmark = device.type == 'cuda'  # a run's shapes are fixed
-    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False  # fp32 is fp32
-    trainer = Trainer(hyp, device, dtype, compiled, rank, world)
-    if world > 1:  # DDP syncs no buffers, train_epoch averages them (forward_sync_buffers: 2.13 on)
+@contextlib.contextmanager
+def torch_settings(device, compile_mode=False):
+    """torch set as runs need it, and reset as it was afterwards. cuDNN searches for its fastest
+    kernels on CUDA, since a run's shapes are fixed. TF32 is off, so that fp32 is fp32 on any GPU.
+    When compiling, each function may keep 256 graphs, one per graph setting of a sweep, where
+    torch would keep 8 and then run the function eager."""
+    cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
+    saved = cudnn.benchmark, cudnn.allow_tf32, matmul.allow_tf32
+    cudnn.benchmark = device.type == 'cuda'
+    cudnn.allow_tf32 = matmul.allow_tf32 = False
+    graphs = contextlib.nullcontext()
+    if compile_mode:  # only then: importing the compiler takes a second or more
+        graphs = torch._dynamo.config.patch(recompile_limit=256)
+    try:
+        with graphs:
+            yield
+    finally:
+        cudnn.benchmark, cudnn.allow_tf32, matmul.allow_tf32 = saved
+
+
+def warmed_up_trainer(data, hyp, device, dtype, compile_mode, log, rank=0, world=1):
+    """A new Trainer, with DDP's wrapper where ranks split batches, compiled if asked, with its
+    compiled step checked against eager's. Then an untimed run of 2 steps pays the one-off costs,
+    and on a GPU a second one, since cuDNN's search comes first and the CUDA graphs second."""
+    trainer = Trainer(hyp, device, dtype, compile_mode, rank, world)
+    if world > 1:  # DDP syncs no buffers: train_epoch averages them
         options = inspect.signature(nn.parallel.DistributedDataParallel).parameters
         buffer_sync = next(o for o in ('forward_sync_buffers', 'broadcast_buffers') if o in options)
         device_ids = [device] if device.type == 'cuda' else None
-        trainer.step_network = nn.parallel.DistributedDataParallel(
+        trainer.synced_network = nn.parallel.DistributedDataParallel(
             trainer.network, device_ids=device_ids, **{buffer_sync: False})
-    if compiled:
+    if compile_mode:
         start = time.perf_counter()
         batch = hyp['batch_size'] // world
-        x = normalise(data['train_images'][:batch], device, dtype)
+        x = upload_normalised(data['train_images'][:batch], device, dtype)
         y = torch.from_numpy(data['train_labels'][:batch]).to(device, torch.int64)
         alone = contextlib.nullcontext()
         if world > 1:
-            alone = trainer.step_network.no_sync()  # no all-reduce: no rank waits for another
+            alone = trainer.synced_network.no_sync()  # no all-reduce, so no rank waits for another
         try:
-            trainer.reinitialise(whitening_filters(x, hyp['whitening_eps']), seed=0)
+            trainer.new_run(hyp, 0, whitening_filters(x, hyp['whitening_eps']))
             with alone:
                 x = x.contiguous(memory_format=trainer.memory_format)
                 why = compiled_step_error(trainer, x, y, hyp)
@@ -728,17 +813,20 @@ def warmed_up_trainer(data, hyp, device, dtype, compiled, log, rank=0, world=1):
             why = f'failed ({reason})'
         if why:
             raise UserError(f'torch.compile {why}; --no-compile trains eager')
-        log(f'torch.compile ({compiled}): {time.perf_counter() - start:.1f} s, its step checked '
+        log(f'torch.compile ({compile_mode}): {time.perf_counter() - start:.1f} s, its step checked '
             "against eager's, outside every run's time", flush=True)
+    test_set = upload_test_set(data, trainer)
     for _ in range(1 if device.type == 'cpu' else 2):
-        train_run(data, trainer, {**hyp, 'epochs': 1}, 0, silent, steps_per_epoch=2)
+        train_run(data, test_set, trainer, {**hyp, 'epochs': 1}, 0, print_nothing,
+                  steps_per_epoch=2)
     return trainer
 
 
 def compiled_step_error(trainer, x, y, hyp):
-    """How the compiled step's loss and gradients differ from eager's beyond rounding, or None:
-    each may differ by 4 x eager's distance from the step in a wider dtype (float64 for fp32, fp32
-    for half precision; on the CPU for MPS), or 4 x the median: what no CPU suite can check."""
+    """How the compiled step's loss and gradients differ from eager's beyond rounding, or None.
+    Each may differ from eager's by 4 times eager's own distance from the step in a wider dtype
+    (float64 for fp32, fp32 for half precision, on the CPU for MPS), and by 4 times the median of
+    those distances at least. No CPU suite can test a GPU's compiler, so every job checks it."""
     def loss_and_gradients(model, loss_function, images):
         model.zero_grad()  # every .grad to None
         loss = loss_function(model, images, y.to(images.device), hyp['label_smoothing'])[0]
@@ -749,10 +837,10 @@ def compiled_step_error(trainer, x, y, hyp):
     on = 'cpu' if x.device.type == 'mps' else x.device
     reference = loss_and_gradients(copy.deepcopy(trainer.network).to(on, wide), summed_loss,
                                    x.to(on, wide))
-    eager = loss_and_gradients(trainer.step_network, summed_loss, x)
-    compiled = loss_and_gradients(trainer.step_network, trainer.summed_loss, x)
+    eager = loss_and_gradients(trainer.synced_network, summed_loss, x)
+    compiled = loss_and_gradients(trainer.synced_network, trainer.loss, x)
     if not all(torch.isfinite(t).all() for t in eager + reference):
-        return None  # nothing to judge by: eager training will meet the same NaN, and say so
+        return None  # nothing to judge by: eager training will meet the same NaN and say so
     names = ['the loss'] + [f"{name}'s gradient" for name, p in trainer.network.named_parameters()
                             if p.requires_grad]
     sizes = [float(t.norm()) or 1.0 for t in reference]
@@ -767,11 +855,33 @@ def compiled_step_error(trainer, x, y, hyp):
     return None
 
 
+# The settings that shape the networks or enter a compiled graph as constants: each combination of
+# them, with the device, dtype and compile mode, gets a Trainer of its own, compiled and warmed up
+# once. Every other setting reaches each run through its hyp.
+GRAPH_SETTINGS = ('batch_size', 'bn_split_size', 'bn_scale_frozen', 'celu_alpha', 'channels',
+                  'whitening', 'logit_scale', 'label_smoothing', 'eval_batch_size')
+TRAINERS = {}  # this process's last few Trainers by their settings, the one used last at the end
+
+
+def trainer_for(data, hyp, device, dtype, compile_mode, log, rank=0, world=1):
+    """The Trainer for hyp's graph settings: warmed_up_trainer's the first time they are asked for,
+    and the same one again later. The 4 used last are kept, for sweeps that go back and forth."""
+    key = (json.dumps([hyp[name] for name in GRAPH_SETTINGS]), str(device), dtype, compile_mode,
+           rank, world)
+    if key not in TRAINERS:
+        TRAINERS[key] = warmed_up_trainer(data, hyp, device, dtype, compile_mode, log, rank, world)
+    TRAINERS[key] = TRAINERS.pop(key)  # now the last used
+    if len(TRAINERS) > 4:
+        del TRAINERS[next(iter(TRAINERS))]
+    return TRAINERS[key]
+
+
 # ==== torchrun: the ranks split each batch (the default) or train whole runs (--spread runs) ====
 def join_process_group(device, split_batches=True):
-    """Join torchrun's ranks: NCCL for GPUs that split batches, else gloo (waiting up to 7 days
-    for a round's slowest run). torch.distributed.nn first: imported later (by DDP), its defaults
-    would hold the group, whose gloo threads would outlive it and abort in Python's shutdown."""
+    """Join torchrun's ranks: NCCL for GPUs that split batches, gloo otherwise, which waits up to 7
+    days for a round's slowest run. torch.distributed.nn is imported first, because if DDP imported
+    it later, its defaults would hold the group, whose gloo threads would then outlive it and abort
+    in Python's shutdown."""
     import torch.distributed.nn  # noqa: F401
     nccl = device.type == 'cuda' and split_batches
     if device.type == 'cuda':
@@ -780,79 +890,126 @@ def join_process_group(device, split_batches=True):
                             timeout=None if split_batches else datetime.timedelta(days=7))
 
 
-# ==== From Python: a run on the data a caller gives, a model's test logits =====================
-TRAINERS = {}  # what train() built, compiled and warmed up, by its settings: later calls reuse it
+# ==== From Python: a run on the data a caller gives, a model's test logits, saving and loading =
+def hyperparameters(settings=None, tiny=False):
+    """HYP, with TINY's values over it if tiny, and settings over both."""
+    return {**HYP, **(TINY if tiny else {}), **(settings or {})}
 
 
 def train(data, hyp=None, seed=0, tiny=False, device='auto', dtype='auto', compile=None,
           progress=False):
-    """One run of the recipe as the command line trains it, on the data given: a dict of uint8
+    """One run of the recipe, as the command line trains it, on the data given: a dict of uint8
     N x 3 x 32 x 32 'train_images' and 'test_images' with integer 'train_labels' and 'test_labels'
-    0-9, as load_cifar10 returns it, or a subset or relabelling of it (of which the first
-    hyp['train_images'] and hyp['test_images'] are used). hyp: settings over HYP (over TINY's if
-    tiny); device, dtype, compile: as --device, --dtype, --compile. Returns the run's EMA model
-    (fp32, in eval mode, a copy of its own) and its rows. The first call with some settings builds,
-    compiles and warms up the networks; later calls reuse them. Prints nothing (progress: a line a
-    run), leaves the random state as it was, and sets torch as main does (cuDNN's benchmark on CUDA,
-    no TF32). Bad input: a UserError (a ValueError) naming it."""
-    hyp = {**HYP, **(TINY if tiny else {}), **(hyp or {})}
+    0-9, as load_cifar10 returns it, or a subset or relabelling of it. The run takes the first
+    hyp['train_images'] and hyp['test_images'] of them. hyp holds settings over HYP (over TINY's if
+    tiny); device, dtype and compile are as --device, --dtype and --compile. Returns the run's
+    model and rows (trained_model says what the model is). The first call with some graph settings
+    builds the networks, compiles them and warms them up; later calls reuse them. Prints nothing
+    unless progress, and leaves torch's random state and settings as they were. A bad input raises
+    a UserError (a ValueError) naming it."""
+    hyp = hyperparameters(hyp, tiny)
     why = hyp_problem(hyp)
     if why:
         raise UserError(f'hyp: {why}')
+    for kind in ('train', 'test'):
+        if f'{kind}_images' not in data or f'{kind}_labels' not in data:
+            raise UserError(f"data has no '{kind}_images' or no '{kind}_labels'")
+        why = images_problem(data[f'{kind}_images'], data[f'{kind}_labels'])
+        if why:
+            raise UserError(f"data['{kind}_images'], data['{kind}_labels']: {why}")
     data = first_images(data, hyp)
     device = pick_device(device)
     dtype = pick_dtype(dtype, device)
-    compiled = compile_mode(compile, device, tiny)
-    settings = (json.dumps(hyp, sort_keys=True), str(device), dtype, compiled)
-    if settings not in TRAINERS:
-        TRAINERS[settings] = warmed_up_trainer(data, hyp, device, dtype, compiled, silent)
-    trainer = TRAINERS[settings]
-    rows = train_run(data, trainer, hyp, seed, silent)
+    compile_mode = pick_compile_mode(compile, device, tiny)
+    with torch_settings(device, compile_mode):
+        trainer = trainer_for(data, hyp, device, dtype, compile_mode, print_nothing)
+        rows = train_run(data, upload_test_set(data, trainer), trainer, hyp, seed, print_nothing)
     if progress:
         print(f"seed {seed}: valid accuracy {100 * rows[-1]['valid_acc']:.2f} % after "
               f"{len(rows)} epochs, {rows[-1]['total_time']:.1f} s", flush=True)
-    return copy.deepcopy(trainer.ema), rows
+    return trained_model(trainer, hyp, data), rows
+
+
+def trained_model(trainer, hyp, data):
+    """A copy of the run's EMA model, fp32, in eval mode, on the training device, its parameters
+    not requiring gradients. Its hyp is the run's, with the numbers of training and test images
+    that trained and scored it."""
+    model = copy.deepcopy(trainer.ema)
+    model.hyp = {**hyp, 'train_images': len(data['train_images']),
+                 'test_images': len(data['test_images'])}
+    return model
 
 
 @torch.no_grad()
 def test_logits(model, images, batch_size=1000):
     """A model's flip-TTA logits for uint8 N x 3 x 32 x 32 images, in their order, on the CPU, in
-    the model's dtype: fp32 for train()'s (a run on CUDA evaluates its copy in fp16)."""
+    the model's dtype, which is fp32 for train()'s models. The model's mode is left as it was."""
+    why = images_problem(images)
+    if why:
+        raise UserError(f'images: {why}')
     weight = next(model.parameters())
-    images = normalise(np.asarray(images), weight.device, weight.dtype)
-    logits = [flip_tta_logits(model.eval(), batch)[1] for batch in images.split(batch_size)]
+    training = model.training
+    try:
+        with torch_settings(weight.device):
+            x = upload_normalised(np.asarray(images), weight.device, weight.dtype)
+            logits = [flip_tta_logits(model.eval(), batch)[1] for batch in x.split(batch_size)]
+    finally:
+        model.train(training)
     return torch.cat(logits).cpu()
+
+
+def save_model(model, path, **extra):
+    """Write a model of train()'s to path in one file that load_model reads: its weights, its hyp
+    (which rebuilds it), the classes and the normalisation, and any extra fields."""
+    state = {name: tensor.cpu() for name, tensor in model.state_dict().items()}
+    checkpoint = dict(state_dict=state, hyperparameters=model.hyp, classes=CLASSES,
+                      mean=CIFAR10_MEAN, std=CIFAR10_STD, **extra)
+    memory = io.BytesIO()
+    torch.save(checkpoint, memory)  # then written whole, or not at all
+    write_atomically(path, memory.getvalue())
+
+
+def load_model(path):
+    """The model in a file of save_model's or --save's: fp32, in eval mode, on the CPU. torch.load
+    reads only tensors and plain values from it (weights_only), so that the file runs no code."""
+    checkpoint = torch.load(path, map_location='cpu', weights_only=True)
+    model = ResNet9(checkpoint['hyperparameters'])
+    model.load_state_dict(checkpoint['state_dict'])
+    return model.eval().requires_grad_(False)
 
 
 # ==== Reporting: the Myrtle.ai / DAWNBench table, the header, the summary over runs ============
 COLUMNS = ('epoch', 'lr', 'train time', 'train loss', 'train acc',
            'valid time', 'valid loss', 'valid acc', 'total time')
-ROW_KEYS = [column.replace(' ', '_') for column in COLUMNS]  # a row's keys (and plain_acc)
+ROW_KEYS = [column.replace(' ', '_') for column in COLUMNS]  # a row's keys, and plain_acc
 
 
 def table_line(values):
-    """One line of 12-character right-aligned columns; floats with 4 decimals."""
+    """One line of 12-character right-aligned columns, with 4 decimals for floats."""
     return ''.join(f'{v:>12.4f}' if isinstance(v, float) else f'{v:>12}' for v in values)
 
 
-def run_table_lines(run, runs_requested):
-    """A finished run's table: its title, the columns, a row per epoch, and FAILED if it failed."""
-    rows = [[row[k] for k in ROW_KEYS] for row in run['rows']]
-    lines = [f"\nrun {run['run']}/{runs_requested} (seed {run['seed']})",
-             table_line(COLUMNS), *map(table_line, rows)]
-    if run['failed']:
-        lines.append(f"run {run['run']} FAILED: the loss became NaN in epoch {len(run['rows'])}")
-    return lines
+def table_printer(log, run, runs, seed):
+    """Print a run's title and the columns, and return what prints its rows one at a time (as
+    train_run's on_epoch), with FAILED below a row whose loss is not finite."""
+    log(f'\nrun {run}/{runs} (seed {seed})\n{table_line(COLUMNS)}', flush=True)
+
+    def print_row(row):
+        log(table_line(row[key] for key in ROW_KEYS), flush=True)
+        if diverged([row]):
+            log(f"run {run} FAILED: the loss became NaN in epoch {row['epoch']}")
+    return print_row
 
 
 def evaluation_label(hyp):
-    """What valid accuracy is of, in the output's words: 'flip-TTA, EMA' in the recipe."""
+    """What valid accuracy is of, in the output's words, 'flip-TTA, EMA' in the recipe."""
     return (f"{'flip-TTA' if hyp['flip_tta'] else 'no TTA'}, "
             f"{'EMA' if hyp['ema_momentum'] else 'no EMA: the trained weights'}")
 
 
 def header_lines(job, world=1, spread=False):
-    """A log's lines before its first row (job: Job.context): version, device, settings, FLOPs."""
+    """A log's lines before its first row: the script's version, the device, the settings and the
+    FLOPs. job holds Job.identity."""
     hyp, flops, device = job['hyperparameters'], job['flops'], job['device']
     peak = f" | peak {job['peak_tflops'] * job['ranks']:g} TFLOP/s" if job['peak_tflops'] else ''
     if world > 1:
@@ -873,7 +1030,8 @@ def header_lines(job, world=1, spread=False):
 
 
 def summarize(runs, flops=None, peak=None, world=1, hyp=HYP):
-    """Statistics of the finished runs (failed: counted, not averaged); flops: TFLOP/s and MFU."""
+    """Statistics of the finished runs; failed runs are counted but not averaged. With flops (a
+    run's) and the device's peak, the summary has the FLOP rate and the model-FLOP utilisation."""
     finished = [r for r in runs if not r['failed']]
     summary = dict(runs=len(runs), finished=len(finished), failed=len(runs) - len(finished))
     if not finished:
@@ -896,11 +1054,11 @@ def summarize(runs, flops=None, peak=None, world=1, hyp=HYP):
         summary['tflops_per_s'] = flops / 1e12 / times.mean()
         if peak:
             summary['mfu'] = summary['tflops_per_s'] / (peak * world)
-    return summary  # numpy's floats are Python floats, to json too
+    return summary  # numpy's floats are Python floats, for json too
 
 
 def summary_lines(summary):
-    """The log's last lines: the runs, their accuracy and time, the job's pace and FLOPs."""
+    """The log's last lines: the runs, their accuracy and time, the job's pace and its FLOPs."""
     def percent(*keys):
         return ' / '.join(f'{100 * summary[key]:.2f}' for key in keys)
     finished = summary['finished']
@@ -927,7 +1085,7 @@ def summary_lines(summary):
         ran = summary['trained']
         ranks = f" over {summary['ranks']} ranks" if summary['ranks'] > 1 else ''
         lines.append(f"job: {ran} run{'s' * (ran != 1)} in {summary['wall_s']:.1f} s of wall time "
-                     f"after the warm-up{ranks}, {3600 * ran / summary['wall_s']:.0f} runs an hour")
+                     f"after the warm-up{ranks}, {3600 * ran / summary['wall_s']:.0f} runs per hour")
     if 'tflops_per_s' in summary:
         rate = summary['tflops_per_s']
         rate = f'{rate:.2f} TFLOP/s' if rate >= 1 else f'{1000 * rate:.3g} GFLOP/s'
@@ -937,11 +1095,12 @@ def summary_lines(summary):
 
 
 def plot_jobs(path, jobs, names=('',)):
-    """--plot: each job's valid accuracy by epoch, its runs' mean and (a band) their extremes."""
+    """Draw --plot: each job's valid accuracy by epoch, the mean of its runs, and a band from their
+    least to their greatest."""
     if not any(not run['failed'] for job in jobs for run in job['runs']):
         print(f'--plot {path}: no finished run to draw, nothing written')
         return None
-    from matplotlib.figure import Figure  # only here: --plot alone needs matplotlib
+    from matplotlib.figure import Figure  # imported here, since only --plot needs matplotlib
     from matplotlib.ticker import MaxNLocator
     figure = Figure((8, 4 + len(jobs) / 4), layout='constrained')
     curves = figure.subplots()
@@ -960,36 +1119,37 @@ def plot_jobs(path, jobs, names=('',)):
     figure.suptitle(' | '.join(devices))
     picture = io.BytesIO()
     figure.savefig(picture, format=Path(path).suffix[1:], dpi=150)
-    write_atomically(path, picture.getvalue(), '--plot')
+    write_atomically(path, picture.getvalue())
     return figure
 
 
 def device_description(device):
-    """The device as the header and a job's identity name it: a CPU's kernels and threads too."""
+    """The device as the header and a job's identity name it, with a CPU's kernels and threads."""
     if device.type == 'cuda':
         return (f'{torch.cuda.get_device_name(device)}, CUDA {torch.version.cuda}, cuDNN '
                 f'{torch.backends.cudnn.version()}')
     if device.type == 'mps':
         return 'Apple MPS'
-    kernels = torch.backends.cpu.get_cpu_capability()  # they round differently: part of a job
+    kernels = torch.backends.cpu.get_cpu_capability()  # they round differently, so runs differ
     threads = torch.get_num_threads()
     return f"CPU ({platform.machine()}, {kernels} kernels, {threads} thread{'s' * (threads != 1)})"
 
 
 def count_flops(hyp, n_train):
     """A run's model FLOPs: a training step's, as torch counts them on the meta device, times the
-    steps (the whitening's, 0.001 % of them, left out)."""
+    steps. The whitening's, 0.001 % of them, are left out."""
     from torch.utils.flop_counter import FlopCounterMode
     n = hyp['batch_size']
     with torch.device('meta'), FlopCounterMode(display=False) as counter:
-        net = ResNet9(torch.zeros(27, 3, 3, 3), hyp)
+        net = ResNet9(hyp)
         images, labels = torch.zeros(n, 3, 32, 32), torch.zeros(n, dtype=torch.long)
         summed_loss(net, images, labels, hyp['label_smoothing'])[0].backward()
     steps = hyp['epochs'] * (n_train // n)
     return dict(step=counter.get_total_flops(), steps=steps, run=steps * counter.get_total_flops())
 
 
-# Datasheets' dense fp16/bf16 tensor-core peaks, TFLOP/s, by name: what MFU is a share of.
+# The datasheets' dense fp16 and bf16 tensor-core peaks in TFLOP/s, by the GPU's name: the model
+# FLOP utilisation (MFU) is a share of them.
 PEAK_TFLOPS = {
     'NVIDIA H100 80GB HBM3': 989, 'NVIDIA H100 PCIe': 756, 'NVIDIA H200': 989,
     **dict.fromkeys(('NVIDIA A100-SXM4-40GB', 'NVIDIA A100-SXM4-80GB', 'NVIDIA A100-PCIE-40GB',
@@ -1000,7 +1160,7 @@ PEAK_TFLOPS = {
 
 def peak_tflops(device, dtype):
     """The table's figure for a known GPU training in fp16, or in bf16 where it has bf16 tensor
-    cores (compute capability 8.0 on; a T4 or V100 emulates it); else None."""
+    cores (compute capability 8.0 and later, since a T4 or V100 emulates bf16), else None."""
     if device.type != 'cuda' or dtype == torch.float32:
         return None
     if dtype == torch.bfloat16 and torch.cuda.get_device_capability(device)[0] < 8:
@@ -1010,9 +1170,10 @@ def peak_tflops(device, dtype):
 
 # ==== Statistics: the t distribution, Welch's comparison, what a comparison can resolve ========
 def t_cdf(t, df):
-    """P(T <= t), Student's t, df >= 1: with t = sqrt(df) tan(u), the tail is the integral of
-    cos(u)^(df-1) / B(df/2, 1/2) from atan(|t| / sqrt(df)), by Simpson's rule over 40 / sqrt(df) at
-    most (the rest is below e^-800 of it): to 2e-6 of tails above 1e-12, df 2-1e5 (1e-4 below)."""
+    """P(T <= t) for Student's t with df >= 1 degrees of freedom. With t = sqrt(df) tan(u), the
+    tail is the integral of cos(u)^(df-1) / B(df/2, 1/2) from atan(|t| / sqrt(df)), taken by
+    Simpson's rule over at most 40 / sqrt(df), beyond which less than e^-800 of it lies. It is
+    within 2e-6 of tails above 1e-12 for df from 2 to 1e5, and within 1e-4 below."""
     start = math.atan(abs(t) / math.sqrt(df))
     u, h = np.linspace(start, min(math.pi / 2, start + 40 / math.sqrt(df)), 2001, retstep=True)
     f = np.cos(u) ** (df - 1)
@@ -1034,11 +1195,12 @@ def t_quantile(p, df):
 
 
 def welch(a, b):
-    """Welch's test of b's mean against a's: diff, se, df, 95 % interval, two-sided p-value."""
+    """Welch's test of b's mean against a's: the difference, its standard error, the degrees of
+    freedom, the 95 % interval and the two-sided p-value."""
     va, vb = np.var(a, ddof=1) / len(a), np.var(b, ddof=1) / len(b)
     diff, se = float(np.mean(b) - np.mean(a)), math.sqrt(va + vb)
     if se == 0:
-        return dict(diff=diff, se=se)  # both sides repeat one value: no test
+        return dict(diff=diff, se=se)  # each side repeats one value, so there is no test
     df = (va + vb) ** 2 / (va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1))
     half_width = t_quantile(0.975, df) * se
     return dict(diff=diff, se=se, df=df, ci95=(diff - half_width, diff + half_width),
@@ -1047,20 +1209,21 @@ def welch(a, b):
 
 # ==== Job files: written after every run, read back by --resume, compared by --compare =========
 JOB_FORMAT = 'train_cifar10.py job, format 4'
-# A job's identity (--resume refuses to mix, --compare shows): what can change a run's numbers.
+# A job's identity, which --resume refuses to mix and --compare shows: what can change a run's numbers.
 DATA_KEYS = ('data', 'data_digest', 'test_images')
 JOB_KEYS = ('script_sha256', 'torch', 'device', 'ranks', 'dtype', 'compile', 'hyperparameters',
             'seed', 'train_images', *DATA_KEYS)
 
 
-def write_atomically(path, data, flag):
-    """Write bytes via a temporary file beside path: a write cut short leaves path as it was."""
+def write_atomically(path, data):
+    """Write bytes through a temporary file beside path, so that a write cut short leaves path as
+    it was."""
     tmp = Path(path).with_name(f'.{Path(path).name}.{os.getpid()}.part')
     try:
         tmp.write_bytes(data)
         os.replace(tmp, path)
     except OSError as e:
-        raise UserError(f'cannot write {flag} {path} ({e.strerror or e})') from None
+        raise UserError(f'cannot write {path} ({e.strerror or e})') from None
     finally:
         tmp.unlink(missing_ok=True)
 
@@ -1071,12 +1234,12 @@ def json_ready(x):
 
 
 def job_sha256(job):
-    """The sha256 of a job's content, which its file holds too: it vouches for every field."""
+    """The sha256 of a job's content, which its file holds too, so that it vouches for every field."""
     return hashlib.sha256(json.dumps(job, sort_keys=True).encode()).hexdigest()
 
 
 def read_job(path, option):
-    """The job file at path as this version of the script wrote it, else a one-line UserError."""
+    """The job file at path, as this version of the script wrote it, else a one-line UserError."""
     try:
         job = json.loads(Path(path).read_text())
         sha256 = job.pop('sha256')  # the content's, as written: one check for all the rest
@@ -1092,8 +1255,8 @@ def read_job(path, option):
 
 
 def job_differences(a, b, keys=JOB_KEYS):
-    """'name (in a -> in b)', values whole, for each setting in which two jobs differ (each
-    hyperparameter singly); the data's image counts override the hyperparameters of their names."""
+    """'name (in a -> in b)', with whole values, for each setting in which two jobs differ, each
+    hyperparameter singly. The data's image counts stand for the hyperparameters of their names."""
     def settings(job):
         hyp = job['hyperparameters'] if 'hyperparameters' in keys else {}
         return {**hyp, **{key: job[key] for key in keys if key != 'hyperparameters'}}
@@ -1103,7 +1266,7 @@ def job_differences(a, b, keys=JOB_KEYS):
 
 
 def compare_lines(paths, plot=None):
-    """--compare's report: each job's accuracies, and each against the first (A) by Welch's t."""
+    """--compare's report: each job's accuracies, and each job against the first (A) by Welch's t."""
     jobs = [read_job(path, '--compare') for path in paths]
     sides = [chr(ord('A') + i) for i in range(len(jobs))]
     lines, accuracies = [], []
@@ -1111,12 +1274,12 @@ def compare_lines(paths, plot=None):
         differences = job_differences(jobs[0], job, DATA_KEYS)
         if differences:
             raise UserError(f"--compare: {paths[0]} and {path} tested on different data, "
-                            f"{', '.join(differences)}: their accuracies are not comparable")
+                            f"{', '.join(differences)}, so their accuracies are not comparable")
         acc = np.array([run['accuracy'] for run in job['runs'] if not run['failed']])
         if not len(acc):
             raise UserError(f'--compare: {path} has no finished run')
         accuracies.append(acc)
-        failed = len(job['runs']) - len(acc)  # NaN's: not in the statistics
+        failed = len(job['runs']) - len(acc)  # their loss became NaN: not in the statistics
         notes = f' ({failed} failed, left out)' if failed else ''
         spread = f'standard deviation {100 * acc.std(ddof=1):.2f} %' if len(acc) > 1 else 'one run'
         lines.append(f"{side}  {path}: {len(acc)} run{'s' * (len(acc) > 1)}{notes}, final "
@@ -1125,19 +1288,20 @@ def compare_lines(paths, plot=None):
     a = accuracies[0]
     for side, job, b in list(zip(sides, jobs, accuracies))[1:]:
         differences = job_differences(jobs[0], job, [k for k in JOB_KEYS if k != 'seed'])
-        scripts = [(j['script'] or '').splitlines() for j in (jobs[0], job)]  # None: a notebook's
+        scripts = [(j['script'] or '').splitlines() for j in (jobs[0], job)]  # None in a notebook
         blocks = difflib.SequenceMatcher(None, *scripts, autojunk=False).get_opcodes()
         changed = sum(max(i2 - i1, j2 - j1) for tag, i1, i2, j1, j2 in blocks if tag != 'equal')
-        if changed:  # README: how to see them
+        if changed:  # the README says how to see them
             differences.insert(1, f"the script's text in {changed} line{'s' * (changed > 1)}")
         lines.append(f"\n{side} differs from A in: {', '.join(differences) or 'nothing recorded'}")
         few = min(len(a), len(b))  # the runs of the smaller side
         w = {}
         if few > 1:
             w = welch(a, b)
-        if not w.get('se'):  # one run a side, or no spread
-            why = 'it needs two runs a side' if few < 2 else 'both repeat one accuracy'
-            lines.append(f'{side} - A: {100 * (b.mean() - a.mean()):+.3f} points; no test: {why}')
+        if not w.get('se'):  # one run on a side, or no spread
+            why = 'it needs two runs on each side' if few < 2 else 'both repeat one accuracy'
+            lines.append(f'{side} - A: {100 * (b.mean() - a.mean()):+.3f} points; no test, since '
+                         f'{why}')
             continue
         low, high = w['ci95']
         lines.append(f"{side} - A: {100 * w['diff']:+.3f} points, 95 % confidence interval "
@@ -1149,11 +1313,11 @@ def compare_lines(paths, plot=None):
             lines.append(f"{side} is {'higher' if w['diff'] > 0 else 'lower'} than A at the 5 % "
                          'level')
         smallest = 100 * w['se'] * (t_quantile(0.975, w['df']) + t_quantile(0.8, w['df']))
-        caveat = ('; with fewer than 5 runs a side, the test rests on normally distributed '
+        caveat = ('; with fewer than 5 runs on a side, the test rests on normally distributed '
                   'accuracies, which so few cannot show') if few < 5 else ''
         lines.append(f'these runs would find a true difference of {smallest:.3f} points or more '
                      f'80 % of the time at the 5 % level{caveat}')
-    if plot:  # --plot: the jobs, each in a colour, each against the first
+    if plot:  # --plot draws the jobs, each in a colour of its own
         plot_jobs(plot, jobs, [f'{side} {path}, ' for side, path in zip(sides, paths)])
     return lines
 
@@ -1162,17 +1326,58 @@ def compare_lines(paths, plot=None):
 COUNTS = ('epochs', 'batch_size', 'ema_every', 'channels', 'whitening_images', 'augment_options',
           'eval_batch_size', 'train_images', 'test_images')  # at least 1
 AT_MOST = dict(label_smoothing=1, pad=31, cutout=32)  # all targets uniform; a 32-pixel side
+# Page's tricks, each with the setting that turns it off, for --help.
+TRICKS_OFF = {'whitening': 'whitening=none', 'label smoothing': 'label_smoothing=0',
+              'CELU': 'celu_alpha=0', 'ghost batch norm': 'bn_split_size=0',
+              'frozen batch-norm scales': 'bn_scale_frozen=False', 'EMA': 'ema_momentum=0',
+              'flip-TTA': 'flip_tta=False'}
+
+
+def is_integer(value):
+    """Whether value is an integer of Python's or numpy's, but not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def kind_problem(name, value):
+    """Why value is not of the kind of HYP[name], or None. A bool or a string setting takes its own
+    type, an integer setting an integer, a float setting any number, the widths as many integers."""
+    default = HYP[name]
+    if isinstance(default, (bool, str)):
+        right, what = type(value) is type(default), type(default).__name__
+    elif isinstance(default, tuple):
+        right = isinstance(value, (tuple, list)) and len(value) == len(default)
+        right = right and all(map(is_integer, value))
+        what = f'{len(default)} integers, as {as_typed(default)}'
+    elif isinstance(default, int):
+        right, what = is_integer(value), 'an integer'
+    else:
+        right, what = isinstance(value, numbers.Real) and not isinstance(value, bool), 'a number'
+    if right:
+        return None
+    return f'{name}={value!r}: must be {what}'
+
+
+def no_such_name(name):
+    """Why name is refused, with the hyperparameter's name closest to it."""
+    close = difflib.get_close_matches(name, HYP, 1)
+    hint = f', did you mean {close[0]}?' if close else ''
+    return f'no such hyperparameter{hint} (HYP lists them)'
 
 
 def hyp_problem(hyp, world=1):
-    """Why hyp cannot make a run, its batches split over world ranks, or None. A strange value is a
-    researcher's to try (a diverging run is said to fail); one that makes no run is refused."""
+    """Why hyp cannot make a run, with its batches split over world ranks, or None. A strange value
+    is a researcher's to try (a run that diverges is reported as failed); one that can make no run
+    is refused."""
     for name, value in hyp.items():
+        if name not in HYP:
+            return f'{name}: {no_such_name(name)}'
+        why = kind_problem(name, value)
+        if why:
+            return why
         low = 1 if name in COUNTS else 0
         high = AT_MOST.get(name, sys.float_info.max)  # the largest finite float
-        if name not in HYP:
-            return f'{name}: no such hyperparameter (HYP lists them)'
-        if name != 'whitening' and not all(low <= v <= high for v in np.atleast_1d(value)):
+        values = value if isinstance(value, (tuple, list)) else [value]
+        if name != 'whitening' and not all(low <= float(v) <= high for v in values):
             most = f' and at most {high}' if name in AT_MOST else ''
             return f'{name}={as_typed(value)}: must be a finite number of at least {low}{most}'
     if hyp['whitening'] not in ('fixed', 'learned', 'none'):
@@ -1189,12 +1394,12 @@ def hyp_problem(hyp, world=1):
 
 
 def as_typed(value):
-    """A hyperparameter's value as --set takes it: a tuple as 64,128,256,512."""
+    """A hyperparameter's value as --set takes it, a tuple as 64,128,256,512."""
     return ','.join(map(str, value)) if isinstance(value, tuple) else str(value)
 
 
 def hyp_setting(text):
-    """--set's NAME=VALUE as (NAME, VALUE), VALUE of HYP's type (a tuple: 1,2,3 or (1, 2, 3))."""
+    """--set's NAME=VALUE as (NAME, VALUE), VALUE of HYP's type, a tuple as 1,2,3 or (1, 2, 3)."""
     name, equals, value = text.partition('=')
     default = HYP.get(name)
     with contextlib.suppress(ValueError, KeyError, TypeError):  # TypeError: no such name (None)
@@ -1204,22 +1409,16 @@ def hyp_setting(text):
             parsed = {'True': True, 'False': False}[value]  # bool('False') is True
         else:
             parsed = type(default)(value)
-        if equals and np.shape(parsed) == np.shape(default):  # a tuple of as many values
+        if equals:
             return name, parsed
-    why = 'no such hyperparameter'
+    why = no_such_name(name)
     if name in HYP:
         why = f'not NAME=VALUE as {name}={as_typed(default)}'
-    raise argparse.ArgumentTypeError(f'{text!r}: {why}')
-
-
-def set_argument(text):
-    """A --set argument, checked by hyp_setting and kept as typed, as the job file records it."""
-    hyp_setting(text)
-    return text
+    raise UserError(f'--set {text!r}: {why}')
 
 
 def parse_args(argv, defaults=None):
-    """The options, a short line each (README.md's table has more); defaults: a resumed job's."""
+    """The options, a short line each (README.md's table has more). defaults: a resumed job's."""
     doc = (__doc__ or '').split('\n\n') + ['']  # the top of this file; none under python -OO
     parser = argparse.ArgumentParser(description=doc[0].split('\n')[0], allow_abbrev=False,
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -1227,14 +1426,15 @@ def parse_args(argv, defaults=None):
     parser.error = lambda why: parser.exit(2, f'error: {why}; --help lists the options\n')
     add = parser.add_argument
     add('--runs', type=int, default=1, help='runs, with seeds seed, seed+1, ... (default: 1)')
-    for name in ('epochs', 'batch_size'):  # the settings changed most, as options too
+    for name in ('epochs', 'batch_size'):  # the settings changed most, as options of their own
         add(f"--{name.replace('_', '-')}", dest='set', action='append', metavar='N',
-            type=lambda n, name=name: set_argument(f'{name}={n}'),
+            type=lambda n, name=name: f'{name}={n}',
             help=f'as --set {name}=N (default: {HYP[name]}, --tiny {TINY[name]})')
     hyp_defaults = ' '.join(f'{name}={as_typed(value)}' for name, value in HYP.items())
-    add('--set', nargs='+', action='extend', metavar='NAME=VALUE', type=set_argument,
-        help=f"hyperparameters, the last value given winning; the defaults (--tiny's: TINY) are "
-        f"{hyp_defaults}; HYP's comments say which turns each of Page's tricks off")
+    tricks = ', '.join(f'{trick} ({setting})' for trick, setting in TRICKS_OFF.items())
+    add('--set', nargs='+', action='extend', metavar='NAME=VALUE',
+        help=f"hyperparameters, the last value given winning. Their defaults are {hyp_defaults} "
+        f"(TINY's for --tiny). Page's tricks, and the setting that turns each off: {tricks}")
     add('--seed', type=int, default=0, help='seed of the first run (default: 0)')
     add('--data-dir', default='./data', help=f'holds {BATCHES_DIR}/, or will (default: ./data)')
     add('--device', default='auto', help='auto (cuda, mps, cpu), cuda, cuda:N, mps or cpu')
@@ -1255,12 +1455,12 @@ def parse_args(argv, defaults=None):
 
 
 def in_notebook_cell():
-    """True in a notebook cell (Colab, Jupyter), where sys.argv is the kernel's; %run sets ours."""
+    """Whether this runs in a notebook cell (Colab, Jupyter), where sys.argv is the kernel's."""
     return os.path.basename(sys.argv[0]).endswith('kernel_launcher.py')
 
 
 def check_options(args, hyp, world, resumed_save=None):
-    """Refuse in one line, before any work, what cannot make a sensible job: settings, paths."""
+    """Refuse in one line, before any work, what cannot make a sensible job: settings and paths."""
     why = hyp_problem(hyp, world)
     if why:
         raise UserError(f'--set {why}')
@@ -1271,7 +1471,7 @@ def check_options(args, hyp, world, resumed_save=None):
             continue
         if not path or os.path.isdir(path):
             why = 'a folder or nothing (an unset shell variable?): give a file name'
-        elif not (os.path.isdir(folder) and os.access(folder, os.W_OK)):  # files are written beside
+        elif not (os.path.isdir(folder) and os.access(folder, os.W_OK)):  # files go beside it
             why = f'its folder {folder} is missing or not writable'
         elif flag == '--resume' and not os.path.exists(path):
             why = 'no such file (a new job starts with --json)'
@@ -1284,41 +1484,42 @@ def check_options(args, hyp, world, resumed_save=None):
 
 
 class Job:
-    """One command's runs and the files rewritten after each: main calls set_up, train and end."""
+    """One command's runs and the files rewritten after each. main() calls set_up, run_all and
+    end."""
 
     def __init__(self, args, argv=()):
         self.args, self.argv = args, argv  # as parsed, and as given
-        self.rank = int(os.environ.get('RANK', 0))  # as torchrun sets them; alone: rank 0 of 1
+        self.rank = int(os.environ.get('RANK', 0))  # as torchrun sets them; alone, rank 0 of 1
         self.local_rank = int(os.environ.get('LOCAL_RANK', 0))
         self.world = int(os.environ.get('WORLD_SIZE', 1))
-        self.log = print if self.rank == 0 else silent  # rank 0 alone
+        self.log = print if self.rank == 0 else print_nothing  # rank 0 alone prints
         self.path = args.resume or args.json  # the job file: a resumed job goes on writing its own
-        self.runs, self.read_back = [], 0  # the finished runs in order, and those read back
-        self.trainer = self.started = None  # what train() makes: the networks, its clock's start
+        self.runs, self.runs_resumed = [], 0  # the finished runs in order, and those read back
+        self.trainer = self.started = None  # the networks, and when the first run started
 
     def set_up(self):
-        """All that can be refused, before any training (options, files, device, data), then the
-        runs read back."""
+        """Check all that can be refused before any training (options, files, device, data), then
+        read back the runs of a resumed job."""
         resumed = None
         if self.args.resume and os.path.isfile(self.path):
             resumed = read_job(self.path, '--resume')
             self.args = parse_args(self.argv, resumed['options'])  # those given here win
         args = self.args
         settings = dict(hyp_setting(text) for text in args.set)  # the last value of each
-        self.hyp = hyp = {**HYP, **(TINY if args.tiny else {}), **settings}
-        self.spread = args.spread == 'runs' and self.world > 1  # a rank trains whole runs
-        self.batch_ranks = 1 if self.spread else self.world  # the ranks a batch is split over
+        self.hyp = hyp = hyperparameters(settings, args.tiny)
+        self.spread = args.spread == 'runs' and self.world > 1  # each rank trains whole runs
+        self.batch_ranks = 1 if self.spread else self.world  # the ranks that split a batch
         resumed_save = resumed['options']['save'] if resumed else None  # rewritten, not refused
         check_options(args, hyp, self.batch_ranks, resumed_save)
         local_rank = self.local_rank if self.world > 1 else None
         self.device = device = pick_device(args.device, local_rank, share=self.spread)
-        self.compiled = compile_mode(args.compile, device, args.tiny, self.batch_ranks)
+        self.compile_mode = pick_compile_mode(args.compile, device, args.tiny, self.batch_ranks)
         self.dtype = pick_dtype(args.dtype, device)
         if self.world > 1:
             join_process_group(device, not self.spread)  # spread: gloo, to gather finished runs
-        if self.spread:  # torchrun stops every rank (SIGTERM) when one fails: end as Ctrl-C does
+        if self.spread:  # torchrun stops every rank with SIGTERM when one fails: end as at Ctrl-C
             signal.signal(signal.SIGTERM, signal.default_int_handler)
-        if self.world > 1 and self.local_rank != 0:  # one rank a machine downloads; others wait
+        if self.world > 1 and self.local_rank != 0:  # one rank per machine downloads
             dist.barrier()
         folder = ensure_cifar10(args.data_dir)
         if self.world > 1 and self.local_rank == 0:
@@ -1326,113 +1527,119 @@ class Job:
         data = load_cifar10(folder)
         self.data = first_images(data, hyp)  # all the data holds, or fewer (--tiny, --set)
         script, self.script, script_sha256 = globals().get('__file__'), None, 'n/a'
-        if script and os.path.isfile(script):  # no file in a notebook cell
+        if script and os.path.isfile(script):  # a notebook cell has no file
             text = Path(script).read_bytes()
             self.script, script_sha256 = text.decode(), hashlib.sha256(text).hexdigest()[:16]
         n_train = len(self.data['train_images'])
-        self.context = dict(  # what the header, --resume and --compare read: the job's identity
+        self.identity = dict(  # what the header, --resume and --compare read
             script_sha256=script_sha256, torch=torch.__version__,
             device=device_description(device), ranks=self.batch_ranks, dtype=str(self.dtype),
-            compile=self.compiled, hyperparameters=hyp, seed=args.seed,
+            compile=self.compile_mode, hyperparameters=hyp, seed=args.seed,
             flops=count_flops(hyp, n_train), peak_tflops=peak_tflops(device, self.dtype),
             data=data['provenance'], data_digest=data['digest'], train_images=n_train,
             test_images=len(self.data['test_images']))
         if resumed:
-            differences = job_differences(resumed, json_ready(self.context))
+            differences = job_differences(resumed, json_ready(self.identity))
             if differences:
                 raise UserError(f"--resume {self.path}: that job differs from this one in "
                                 f"{', '.join(differences)}, that job's -> this one's: resume it "
                                 'with the script, kind of device and options it began with, or '
                                 'give a new job its own --json')
-            self.runs, self.read_back = resumed['runs'], len(resumed['runs'])
+            self.runs, self.runs_resumed = resumed['runs'], len(resumed['runs'])
 
-    def train(self):
-        """Header, runs read back, warm-up, the missing runs (spread: a run a rank each round)."""
+    def run_all(self):
+        """The header, the runs read back, the warm-up, then the missing runs: one at a time, or
+        with --spread runs, one run per rank in each round."""
         args, log = self.args, self.log
-        log('\n'.join(header_lines(self.context, self.world, self.spread)))
+        log('\n'.join(header_lines(self.identity, self.world, self.spread)))
         if self.runs:
             log(f'\n{len(self.runs)} run(s) read back from {args.resume}')
         missing = sorted(set(range(1, args.runs + 1)) - {run['run'] for run in self.runs})
         if not missing:
             return
-        log(f"\n{'compilation, then ' if self.compiled else ''}warm-up: untimed runs of 2 steps "
-            'take the one-off costs', flush=True)
+        compiling = 'compilation, then ' if self.compile_mode else ''
+        log(f'\n{compiling}warm-up: untimed runs of 2 steps take the one-off costs', flush=True)
         rank_in_batch = 0 if self.spread else self.rank
-        self.trainer = warmed_up_trainer(self.data, self.hyp, self.device, self.dtype,
-                                         self.compiled, log, rank_in_batch, self.batch_ranks)
-        self.started = time.perf_counter()
-        round_size = self.world if self.spread else 1  # spread: a run a rank at a time
-        this_rank = self.rank if self.spread else 0  # its run of each round
-        for first in range(0, len(missing), round_size):
-            runs = missing[first:first + round_size]
-            record = None
-            if this_rank < len(runs):  # a spread job's last round may leave ranks idle
-                record = self.train_one(runs[this_rank])
-            records = [record]
-            if self.spread:  # every rank's run of the round, to every rank
-                records = [None] * self.world
-                try:
-                    dist.all_gather_object(records, record)
-                except RuntimeError:  # gloo's "Connection closed by peer": a rank stopped
-                    raise KeyboardInterrupt from None  # so this one stops as at Ctrl-C
-            self.keep([r for r in records if r], saved=record)
+        with torch_settings(self.device, self.compile_mode):
+            self.trainer = trainer_for(self.data, self.hyp, self.device, self.dtype,
+                                       self.compile_mode, log, rank_in_batch, self.batch_ranks)
+            self.test_set = upload_test_set(self.data, self.trainer)
+            self.started = time.perf_counter()
+            self.round_size = self.world if self.spread else 1
+            this_rank = self.rank if self.spread else 0  # its run in each round
+            for first in range(0, len(missing), self.round_size):
+                runs = missing[first:first + self.round_size]
+                record = None
+                if this_rank < len(runs):  # a spread job's last round may leave ranks idle
+                    record = self.run_one(runs[this_rank])
+                records = [record]
+                if self.spread:  # every rank's run of the round, to every rank
+                    records = [None] * self.world
+                    try:
+                        dist.all_gather_object(records, record)
+                    except RuntimeError:  # gloo's "Connection closed by peer": a rank stopped
+                        raise KeyboardInterrupt from None  # so this one stops as at Ctrl-C
+                self.record_runs([r for r in records if r], saved=record)
 
-    def train_one(self, run):
-        """Train the run, its rows printed as they come (a spread job's: in keep); its record."""
+    def run_one(self, run):
+        """Train one run, printing its rows as they come (a spread job prints them in
+        record_runs), and return its record."""
         seed = self.args.seed + run - 1
-        live = silent if self.spread else self.log
-        live(f'\nrun {run}/{self.args.runs} (seed {seed})\n{table_line(COLUMNS)}', flush=True)
-        rows = train_run(self.data, self.trainer, self.hyp, seed,
-                         lambda row: live(table_line(row[k] for k in ROW_KEYS), flush=True))
-        failed = not all(math.isfinite(rows[-1][k]) for k in ('train_loss', 'valid_loss'))  # NaN
-        record = dict(run=run, seed=seed, failed=failed, rows=rows,
-                      accuracy=rows[-1]['valid_acc'], time_s=rows[-1]['total_time'])
-        if failed:
-            live(run_table_lines(record, self.args.runs)[-1])  # FAILED, below its rows
-        return record
+        on_epoch = print_nothing
+        if not self.spread:
+            on_epoch = table_printer(self.log, run, self.args.runs, seed)
+        rows = train_run(self.data, self.test_set, self.trainer, self.hyp, seed, on_epoch)
+        return dict(run=run, seed=seed, failed=diverged(rows), rows=rows,
+                    accuracy=rows[-1]['valid_acc'], time_s=rows[-1]['total_time'])
 
-    def keep(self, records, saved=None):
-        """Add the finished runs once rank 0 wrote them to the job file (saved's EMA: --save)."""
+    def record_runs(self, records, saved=None):
+        """Add the finished runs, once rank 0 has written them to the job file, and saved's EMA
+        model to --save's file. Then say when a job whose runs take minutes should end."""
         runs = sorted(self.runs + records, key=lambda run: run['run'])
         self.kept_at = time.perf_counter()
         if self.rank == 0 and self.path:
             files = ('json', 'resume', 'plot')  # not the job's settings
             options = {k: v for k, v in vars(self.args).items() if k not in files}
             job = {'format': JOB_FORMAT, **json_ready(dict(
-                self.context, options=options, runs_finished=len(runs),
+                self.identity, options=options, runs_finished=len(runs),
                 runs_requested=self.args.runs, runs=runs, summary=self.summary(runs),
                 script=self.script))}
             text = json.dumps({**job, 'sha256': job_sha256(job)}, indent=1)
-            write_atomically(self.path, text.encode(), '--json')
+            write_atomically(self.path, text.encode())
         self.runs = runs
         if self.rank == 0 and self.args.save and saved and not saved['failed']:
-            state = {k: v.cpu() for k, v in self.trainer.ema.state_dict().items()}
-            checkpoint = dict(state_dict=state, hyperparameters=self.hyp, classes=CLASSES,
-                              mean=CIFAR10_MEAN, std=CIFAR10_STD, run=saved['run'],
-                              seed=saved['seed'], accuracy=saved['accuracy'])
-            memory = io.BytesIO()
-            torch.save(checkpoint, memory)  # then written whole, or not at all
-            write_atomically(self.args.save, memory.getvalue(), '--save')
+            model = trained_model(self.trainer, self.hyp, self.data)
+            save_model(model, self.args.save, run=saved['run'], seed=saved['seed'],
+                       accuracy=saved['accuracy'])
         if self.spread:  # the round's tables, whole, from rank 0
             for run in records:
-                self.log('\n'.join(run_table_lines(run, self.args.runs)), flush=True)
+                print_row = table_printer(self.log, run['run'], self.args.runs, run['seed'])
+                for row in run['rows']:
+                    print_row(row)
+        per_run = (self.kept_at - self.started) / (len(runs) - self.runs_resumed)  # ranks at once
+        left = self.args.runs - len(runs)
+        if left and per_run * self.round_size > 60:
+            end = datetime.datetime.now() + datetime.timedelta(seconds=per_run * left)
+            self.log(f'\n{left} run(s) left, {per_run / 60:.1f} min each: the job should end '
+                     f'at about {end:%H:%M on %a %d %b}', flush=True)
 
     def summary(self, runs):
         """The summary of runs (read back too), and the pace of those trained here."""
-        summary = summarize(runs, self.context['flops']['run'], self.context['peak_tflops'],
+        summary = summarize(runs, self.identity['flops']['run'], self.identity['peak_tflops'],
                             self.batch_ranks, self.hyp)
-        trained = len(runs) - self.read_back
+        trained = len(runs) - self.runs_resumed
         if trained:
             summary.update(trained=trained, wall_s=self.kept_at - self.started, ranks=self.world)
         return summary
 
     def end(self, status):
-        """Leave the group, say what a stopped job left, the summary, and draw --plot, with Ctrl-C
-        and torchrun's SIGTERM ignored. Returns the status, 1 if --plot cannot be drawn."""
+        """Leave the group, say what a stopped job left, print the summary and draw --plot, with
+        Ctrl-C and torchrun's SIGTERM ignored. Returns the status, or 1 if --plot was not drawn."""
         ignored = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
-            self.trainer = None  # its DDP model holds the process group
-            if dist.is_initialized():  # now: gloo's threads, left to Python's shutdown, abort
+            if dist.is_initialized():  # now, since gloo's threads abort in Python's shutdown
+                self.trainer = None  # its DDP wrapper holds the process group
+                TRAINERS.clear()
                 dist.destroy_process_group()
             if status == 130:
                 then = f'; --resume {self.path} goes on' if self.runs and self.path else ''
@@ -1440,10 +1647,10 @@ class Job:
             if self.runs:
                 self.log('\n' + '\n'.join(summary_lines(self.summary(self.runs))))
             if self.args.plot and self.rank == 0 and (self.runs or self.started is not None):
-                job = dict(self.context, options=vars(self.args), runs=self.runs)
+                job = dict(self.identity, options=vars(self.args), runs=self.runs)
                 try:
                     plot_jobs(self.args.plot, [job])
-                except Exception as e:  # a full disk; a .pgf whose TeX fails: the job is whole
+                except Exception as e:  # a full disk, or TeX failing for a .pgf: the job is whole
                     why = str(e).strip().split('\n')[0]
                     print(f'error: --plot {self.args.plot} not drawn: {why}', file=sys.stderr)
                     return status or 1
@@ -1454,12 +1661,13 @@ class Job:
 
 
 def main(argv=None):
-    """Train --runs models, print the tables and the summary (rank 0); returns the exit status."""
+    """Train --runs models, print the tables and the summary (on rank 0), and return the exit
+    status."""
     if argv is None:
         argv = [] if in_notebook_cell() else sys.argv[1:]
     try:
         args = parse_args(argv)
-    except SystemExit as e:  # a usage error (2) or --help (0): a status, also in a notebook
+    except SystemExit as e:  # a usage error (2) or --help (0) as a status, in a notebook too
         return e.code
     job = Job(args, argv)
     status = 0
@@ -1469,7 +1677,7 @@ def main(argv=None):
             print('\n'.join(compare_lines(args.compare, args.plot)))
             return 0
         job.set_up()
-        job.train()
+        job.run_all()
     except UserError as e:  # torchrun stops the other ranks when one exits with an error
         rank = f' (rank {job.rank})' if job.world > 1 else ''
         print(f'error{rank}: {e}', file=sys.stderr)
@@ -1483,7 +1691,7 @@ def main(argv=None):
 
 
 if __name__ == '__main__':
-    if hasattr(signal, 'SIGPIPE'):  # the reader left (`| head`): stop quietly, as Unix tools do
+    if hasattr(signal, 'SIGPIPE'):  # the reader left (| head): stop quietly, as Unix tools do
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     status = main()
     if status and not in_notebook_cell():  # SystemExit in a cell would print a traceback
