@@ -525,35 +525,12 @@ def test_flop_count_equals_a_count_by_hand():
     assert 1.16e12 < flops['step'] < 1.17e12
 
 
-@pytest.mark.parametrize('name, peak', [   # each name as torch.cuda.get_device_name prints it
-    ('NVIDIA H100 80GB HBM3', 989), ('NVIDIA H100 PCIe', 756), ('NVIDIA H200', 989),
-    ('NVIDIA A100-SXM4-40GB', 312), ('NVIDIA A100-PCIE-40GB', 312), ('NVIDIA A100 80GB PCIe', 312),
-    ('NVIDIA L40S', 362), ('NVIDIA L4', 121), ('NVIDIA A10G', 70), ('Tesla T4', 65),
-    ('Tesla V100-SXM2-16GB', 125), ('Tesla V100-SXM2-32GB', 125), ('NVIDIA GeForce RTX 4090', 165),
-    # variants not in the table get no figure, not their family's: --peak-tflops gives theirs
-    ('NVIDIA H100 NVL', None), ('NVIDIA H200 NVL', None), ('NVIDIA GH200 480GB', None), ('NVIDIA A10', None),
-    ('NVIDIA L40', None), ('Tesla V100-PCIE-32GB', None), ('Tesla V100S-PCIE-32GB', None),
-    ('NVIDIA GeForce RTX 4090 Laptop GPU', None), ('NVIDIA GeForce RTX 3080', None),
-    ('NVIDIA A100-SXM4-40GB MIG 1g.5gb', None),                  # a slice of a GPU
-])
-def test_peak_of_a_known_gpu_by_its_name(monkeypatch, name, peak):
-    monkeypatch.setattr(torch.cuda, 'get_device_name', lambda device: name)
-    cuda = torch.device('cuda')
-    for capability in (8, 9):
-        monkeypatch.setattr(torch.cuda, 'get_device_capability', lambda device: (capability, 0))
-        assert T.peak_tflops(cuda, torch.float16) == peak and T.peak_tflops(cuda, torch.bfloat16) == peak
-    assert T.peak_tflops(cuda, torch.float32) is None             # the table is for fp16/bf16
-    monkeypatch.setattr(torch.cuda, 'get_device_capability', lambda device: (7, 5))
-    assert T.peak_tflops(cuda, torch.bfloat16) is None            # a T4 or V100 emulates bf16
-
-
-def test_achieved_tflops_and_mfu_by_hand():
+def test_achieved_tflops_by_hand():
     runs = [dict(failed=False, accuracy=0.94, time_s=t, rows=[dict(valid_acc=0.94, plain_acc=0.9)])
             for t in (2.0, 3.0)]
-    s = T.summarize(runs, flops=1e15, peak=500, world=2)
+    s = T.summarize(runs, flops=1e15)
     assert s['tflops_per_s'] == pytest.approx(400)                # 1000 TFLOP in 2.5 s
-    assert s['mfu'] == pytest.approx(0.4)                         # of 2 x 500
-    assert 'model-FLOP utilisation 40.0 %' in '\n'.join(T.summary_lines(s))
+    assert 'achieved: 400.00 TFLOP/s of model FLOPs per run' in T.summary_lines(s)
 
 
 def test_reinitialised_networks_equal_a_newly_built_network():
@@ -844,7 +821,7 @@ def test_a_rows_losses_and_accuracies_are_the_label_smoothed_cross_entropy_by_ha
     divided by their number, train_acc and valid_acc the share whose largest logit is the label:
     computed in numpy from known logits, against the row train_run makes."""
     networks, hyp = small_networks({'batch_size': 64, 'epochs': 1, 'whitening_images': 128, 'eval_batch_size': 64})
-    give_known_logits(networks.network)                           # networks.synced_network, in one process
+    give_known_logits(networks.network)
     give_known_logits(networks.eval_network)                         # the EMA's weights, evaluated
     data = constant_data()
     row, = T.train_run(data, T.upload_test_set(data, networks), networks, hyp, 0, lambda row: None)
@@ -1022,8 +999,8 @@ def test_run_log_summary_recomputes_from_its_own_rows():
 def header_context(hyp, **changes):
     """A job's context as Job.set_up makes it, for header_lines."""
     return {**dict(script_sha256='0123456789abcdef', torch=torch.__version__, device='CPU', dtype='torch.float32',
-                   ranks=1, seed=0, train_images=3000, test_images=500, hyperparameters=hyp, data='x',
-                   data_digest='d', flops=T.count_flops(hyp, 3000), peak_tflops=None), **changes}
+                   seed=0, train_images=3000, test_images=500, hyperparameters=hyp, data='x',
+                   data_digest='d', flops=T.count_flops(hyp, 3000)), **changes}
 
 
 def test_hyperparameters_are_printed_in_lines_a_terminal_shows_whole():
@@ -1240,7 +1217,7 @@ def test_the_batches_folder_itself_works_as_data_dir_and_a_file_is_refused(tmp_p
 
 @pytest.mark.parametrize('args, message', [
     (['--epochs', '0'], '--set epochs=0: must be a finite number of at least 1'),
-    (['--batch-size', '48'], "--set batch_size=48: must be a multiple of 32 (ghost batch norm's split of 32)"),
+    (['--batch-size', '48'], "--set batch_size=48: must be a multiple of ghost batch norm's split, 32"),
     (['--batch-size', '2048'], 'batch_size=2048: more than the 1000 training images'),
     (['--device', 'tpu'], '--device tpu: torch cannot train on it here ('),
     (['--device', 'cuda'], '--device cuda: torch cannot train on it here ('),
@@ -1260,17 +1237,15 @@ def test_unwritable_data_dir_is_refused(tmp_path, capsys):
 
 
 def test_devices_under_torchrun_on_a_machine_with_two_gpus(monkeypatch):
-    """auto takes the accelerator; a rank that splits batches the GPU of its LOCAL_RANK; a rank of
-    --spread runs (share) the GPU LOCAL_RANK % 2, so that 4 ranks share 2 GPUs. Each device is
-    probed (torch.empty), here by a stand-in that makes the CPU take the two GPUs for real ones."""
+    """auto takes the accelerator; a rank the GPU of its LOCAL_RANK. Each device is probed
+    (torch.empty), here by a stand-in that makes the CPU take the two GPUs for real ones."""
     monkeypatch.setattr(torch.cuda, 'device_count', lambda: 2)
     monkeypatch.setattr(torch.accelerator, 'current_accelerator', lambda check_available: torch.device('cuda'))
     probed = []
     monkeypatch.setattr(torch, 'empty', lambda size, device: probed.append(device))
     assert T.pick_device('auto') == torch.device('cuda') and T.pick_device('cpu', 1) == torch.device('cpu')
-    assert [T.pick_device('cuda', rank) for rank in (0, 1)] == [torch.device('cuda', i) for i in (0, 1)]
-    shared = [T.pick_device('auto', rank, share=True) for rank in range(5)]
-    assert shared == [torch.device('cuda', i) for i in (0, 1, 0, 1, 0)] and probed[-1] == shared[-1]
+    assert [T.pick_device('auto', rank) for rank in (0, 1)] == [torch.device('cuda', i) for i in (0, 1)]
+    assert probed[-1] == torch.device('cuda', 1)
 
 
 @pytest.mark.parametrize('name', ['tpu', 'cuda:x', 'cuda:7', 'mps'])
@@ -1289,16 +1264,14 @@ def test_a_device_torch_cannot_use_is_refused_in_one_line_with_torchs_reason(nam
 @pytest.mark.parametrize('device', ['cpu', 'cuda', 'mps'])
 @pytest.mark.parametrize('tiny', [False, True])
 @pytest.mark.parametrize('option', [None, True, False])
-@pytest.mark.parametrize('batch_ranks', [1, 2])
-def test_compilation_and_layout_for_each_device_size_and_option(monkeypatch, device, tiny, option, batch_ranks):
+def test_compilation_and_layout_for_each_device_size_and_option(monkeypatch, device, tiny, option):
     """Compile by default on cuda and cpu, never for --tiny (compiling takes longer than all of it)
-    nor on mps (experimental); --compile / --no-compile win. On cuda as CUDA graphs, except where
-    DDP splits batches (pytorch#139207). channels_last compiled, but on mps: eager steps are NCHW."""
+    nor on mps (experimental); --compile / --no-compile win. On cuda as CUDA graphs. channels_last
+    compiled, but on mps: eager steps are NCHW."""
     args = T.parse_args(['--tiny'] * tiny + {None: [], True: ['--compile'], False: ['--no-compile']}[option])
-    compile = T.pick_compile_mode(args.compile, torch.device(device), args.tiny, batch_ranks)
+    compile = T.pick_compile_mode(args.compile, torch.device(device), args.tiny)
     on = option if option is not None else device in ('cuda', 'cpu') and not tiny
-    graphs = device == 'cuda' and batch_ranks == 1
-    assert compile == (on and ('reduce-overhead' if graphs else 'default'))
+    assert compile == (on and ('reduce-overhead' if device == 'cuda' else 'default'))
     modes = []
     monkeypatch.setattr(T.torch, 'compile', lambda function, **options: modes.append(options['mode']) or function)
     layout = T.Trainer({**T.HYP, **T.TINY}, torch.device('cpu'), torch.float32, compile).memory_format
@@ -1432,7 +1405,7 @@ def test_hyps_comments_and_the_readme_name_each_tricks_off_switch():
     comments = {line.split('=')[0].strip(): line.split('#')[1] for line in source.splitlines() if '#' in line}
     readme = (SCRIPT.parent / 'README.md').read_text()
     for name, value in ALL_TRICKS_OFF.items():
-        assert re.search(rf"'?{value}'?:", comments[name]), name
+        assert re.search(rf"\('?{value}'? ", comments[name]), name
         assert f'`{name}={value}`' in readme, name
 
 
@@ -1937,21 +1910,6 @@ def test_a_full_disk_stops_the_job_in_one_line_and_resume_finishes_it(dataset, t
     assert [run['run'] for run in json.loads(job.read_text())['runs']] == [1, 2, 3]
 
 
-def test_a_gpus_peak_reaches_the_header_and_the_model_flop_utilisation(dataset, tmp_path, monkeypatch, capsys):
-    """A device of a known peak (here the CPU, said to peak at 0.002 TFLOP/s): the header's peak, and
-    MFU = the run's model FLOPs / its time / the peak, by hand from the job file, in the summary (to
-    its 1 decimal when printed)."""
-    monkeypatch.setattr(T, 'peak_tflops', lambda device, dtype: 0.002)
-    path = tmp_path / 'r.json'
-    assert T.main([*SMALL_RUN, '--data-dir', str(dataset), '--json', str(path)]) == 0
-    out = capsys.readouterr().out
-    assert re.search(r'\bpeak 0\.002 TFLOP/s', out)
-    job = T.read_job(path, '--json')
-    mfu = job['flops']['run'] / job['runs'][0]['time_s'] / 0.002e12
-    assert job['peak_tflops'] == 0.002 and job['summary']['mfu'] == pytest.approx(mfu, rel=1e-12)
-    assert float(re.search(r'utilisation (\d+\.\d) %', out)[1]) == pytest.approx(100 * mfu, abs=0.05 + 1e-9)
-
-
 def test_a_closed_output_stops_the_job_quietly_and_keeps_its_finished_runs(dataset, tmp_path):
     """`train_cifar10.py ... | head`: the job stops at its next line as Unix tools do (by SIGPIPE,
     which a shell reports as 141), with no traceback and the runs it finished in its file; --compare too."""
@@ -2001,7 +1959,6 @@ def no_training(monkeypatch):
     ('hyperparameters', {'cutout': 8}, 'cutout (8 -> 0)'),
     ('dtype', 'torch.float16', 'dtype (torch.float16 -> torch.float32)'),
     ('device', 'NVIDIA H100 80GB HBM3, CUDA 12.8', 'device (NVIDIA H100 80GB HBM3, CUDA 12.8 -> CPU'),
-    ('ranks', 8, 'ranks (8 -> 1)'),
     ('data', 'official CIFAR-10', 'data (official CIFAR-10 -> NOT the official'),
     ('data_digest', '0000000000000000', 'data_digest (0000000000000000 -> '),
     ('seed', 7, 'seed (7 -> 0)'),
@@ -2067,12 +2024,11 @@ def test_resume_of_a_finished_job_prints_its_tables_and_summary_and_trains_nothi
 @pytest.fixture
 def rank_0_of_2(monkeypatch):
     """This process as rank 0 of 2, as torchrun starts it, its process group stubbed (rank 1 idle);
-    the SIGTERM handler a spread job's rank sets is put back after."""
+    the SIGTERM handler a rank sets is put back after."""
     for name, value in (('RANK', 0), ('LOCAL_RANK', 0), ('WORLD_SIZE', 2)):
         monkeypatch.setenv(name, str(value))
-    monkeypatch.setattr(T, 'join_process_group', lambda *args, **kwargs: None)
+    monkeypatch.setattr(T.dist, 'init_process_group', lambda *args, **kwargs: None)
     monkeypatch.setattr(T.dist, 'barrier', lambda *args, **kwargs: None)
-    monkeypatch.setattr(T.dist, 'get_backend', lambda *args: 'gloo')
     monkeypatch.setattr(T.dist, 'all_gather_object', lambda records, record: records.__setitem__(
         slice(None), [record, None]))                             # rank 1: no run in the round
     sigterm = signal.getsignal(signal.SIGTERM)
@@ -2080,23 +2036,11 @@ def rank_0_of_2(monkeypatch):
     signal.signal(signal.SIGTERM, sigterm)
 
 
-def test_spread_runs_needs_no_json(dataset, monkeypatch, capsys, rank_0_of_2):
+def test_a_rank_needs_no_json(dataset, monkeypatch, capsys, rank_0_of_2):
     """Rank 0 of 2 (rank 1 stubbed) trains run 1 and prints it."""
-    assert T.main(['--tiny', '--epochs', '1', '--data-dir', str(dataset), '--spread', 'runs']) == 0
+    assert T.main(['--tiny', '--epochs', '1', '--data-dir', str(dataset)]) == 0
     out = capsys.readouterr().out
-    assert '2 ranks (gloo), each training whole runs' in out and out.count('run 1/1 (seed 0)') == 1
-
-
-def test_no_ghost_batch_norm_where_ranks_split_each_batch_is_refused(dataset, monkeypatch, capsys, rank_0_of_2):
-    """bn_split_size=0 means batch norm over the whole batch: where ranks split it, each would
-    normalise its share, and the ablation would depend on the number of ranks. --spread runs may."""
-    monkeypatch.setattr(T, 'pick_device', lambda *args, **kwargs: pytest.fail('work started'))
-    assert T.main(['--tiny', '--data-dir', str(dataset), '--set', 'bn_split_size=0']) == 1
-    assert capsys.readouterr().err == ("error (rank 0): --set bn_split_size=0 where torchrun's ranks split each "
-                                       'batch: each would normalise its share, not the batch; use one process or '
-                                       '--spread runs\n')
-    assert T.hyp_problem({**T.HYP, 'bn_split_size': 0}, world=1) is None
-    assert T.hyp_problem({**T.HYP, 'bn_split_size': 0}, world=2).startswith('bn_split_size=0 where')
+    assert '2 ranks, each training whole runs' in out and out.count('run 1/1 (seed 0)') == 1
 
 
 def test_resume_rewrites_its_own_files_and_no_other(finished_job, tmp_path, monkeypatch, capsys):
@@ -2174,7 +2118,7 @@ def test_set_changes_any_hyperparameter_and_resume_and_compare_carry_it(finished
     ('bn_split_size=-1', 1, 'error: --set bn_split_size=-1: must be a finite number of at least 0\n'),
     ('celu_alpha=-0.1', 1, 'error: --set celu_alpha=-0.1: must be a finite number of at least 0\n'),
     ('whitening=learnt', 1, 'error: --set whitening=learnt: must be fixed, learned or none\n'),
-    ('bn_split_size=24', 1, "error: --set batch_size=64: must be a multiple of 24 (ghost batch norm's split of 24)\n"),
+    ('bn_split_size=24', 1, "error: --set batch_size=64: must be a multiple of ghost batch norm's split, 24\n"),
     ('lr_peak=nan', 1, 'error: --set lr_peak=nan: must be a finite number of at least 0\n'),
     ('lr_peak=inf', 1, 'error: --set lr_peak=inf: must be a finite number of at least 0\n'),
     ('weight_decay=-5e-4', 1, 'error: --set weight_decay=-0.0005: must be a finite number of at least 0\n'),
@@ -2717,7 +2661,7 @@ y = torch.from_numpy(data['train_labels'][:64])
 disagreement = T.compiled_step_error(networks, x, y, hyp)   # leaves the compiled step's gradients
 compiled = {{n: p.grad.clone() for n, p in networks.network.named_parameters() if p.requires_grad}}
 networks.network.zero_grad()
-T.summed_loss(networks.synced_network, x, y, hyp['label_smoothing'])[0].backward()
+T.summed_loss(networks.network, x, y, hyp['label_smoothing'])[0].backward()
 eager = {{n: p.grad.clone() for n, p in networks.network.named_parameters() if p.requires_grad}}
 wide = copy.deepcopy(networks.network).double()   # the same weights and images, in fp64: the gradients' scale
 T.summed_loss(wide, x.double(), y, hyp['label_smoothing'])[0].backward()
@@ -2904,16 +2848,6 @@ def test_the_check_passes_a_correct_compiled_step_and_names_a_wrong_loss(monkeyp
     assert "(the loss differs from eager's by 0.01 of its size" in T.compiled_step_error(networks, x, y, hyp)
 
 
-def test_every_gradient_has_its_weights_strides_in_channels_last():
-    """DistributedDataParallel copies a gradient whose strides differ from its weight's (and warns
-    "Grad strides do not match bucket view strides"): the prep layer's 1x1 weights, a 4-d tensor
-    of 1x1 kernels, had them."""
-    networks, hyp = small_networks(compiled='default')                 # in channels_last; called eager below
-    x = torch.randn(64, 3, 32, 32).contiguous(memory_format=torch.channels_last)
-    T.summed_loss(networks.network, x, torch.arange(64) % 10, 0.2)[0].backward()
-    assert all(p.grad.stride() == p.stride() for p in networks.network.parameters() if p.requires_grad)
-
-
 def compiler_failure(inner):
     """What torch.compile raises when its backend fails: an InductorError wrapping the cause."""
     from torch._inductor.exc import InductorError
@@ -2961,7 +2895,7 @@ def test_real_copy_has_the_official_counts():
 
 
 # ---------------------------------------------------------------------------------------------
-# Data-parallel training under torchrun, on the CPU with gloo
+# torchrun: each rank trains whole runs, on the CPU with gloo
 # ---------------------------------------------------------------------------------------------
 def torchrun(*args, nproc=2):
     return finished(subprocess.Popen([sys.executable, '-m', 'torch.distributed.run', '--standalone',
@@ -2988,13 +2922,13 @@ counts = []
 def counted(function):  # writes this process's number of threads before and after each call
     if not os.path.isdir('/proc/self/task'):  # Linux lists them there
         return function
-    def call(*args):
+    def call(*args, **kwargs):
         before = len(os.listdir('/proc/self/task'))
-        function(*args)
+        function(*args, **kwargs)
         counts.append((before, len(os.listdir('/proc/self/task'))))
         open(os.path.join({out!r}, f"threads_{{os.environ['RANK']}}.json"), 'w').write(json.dumps(counts))
     return call
-T.join_process_group = counted(T.join_process_group)
+T.dist.init_process_group = counted(T.dist.init_process_group)
 T.dist.destroy_process_group = counted(T.dist.destroy_process_group)
 """
 
@@ -3007,24 +2941,23 @@ def assert_gloo_threads_joined(counts_file):
         assert join_after > join_before and leave_before - leave_after == join_after - join_before
 
 
-def test_two_ranks_print_one_table_and_rank_0_writes_the_files(dataset, tmp_path):
-    """Also: main leaves no gloo thread running for Python's shutdown (destroy_process_group)."""
+def test_two_ranks_print_each_table_once_and_rank_0_writes_the_files(dataset, tmp_path):
+    """Two ranks train a run each; rank 0 prints both tables and the summary and writes the files.
+    Also: main leaves no gloo thread running for Python's shutdown (destroy_process_group)."""
     pytest.importorskip('matplotlib')                            # --plot's; CI installs it
     script = tmp_path / 'counts_threads.py'
     script.write_text(COUNTS_THREADS.format(repo=str(SCRIPT.parent), out=str(tmp_path)) + 'sys.exit(T.main())\n')
-    result = torchrun(script, '--tiny', '--data-dir', dataset, '--json', tmp_path / 'r.json',
-                      '--plot', tmp_path / 'r.png', '--save', tmp_path / 'ema.pt')
+    result = torchrun(script, '--tiny', '--epochs', '1', '--runs', '2', '--data-dir', dataset, '--json',
+                      tmp_path / 'r.json', '--plot', tmp_path / 'r.png', '--save', tmp_path / 'ema.pt')
     assert result.returncode == 0, result.stderr
     for rank in (0, 1):
         assert_gloo_threads_joined(tmp_path / f'threads_{rank}.json')
     out = result.stdout
-    assert '2 ranks (gloo), splitting each batch' in out
-    assert out.count(T.table_line(T.COLUMNS)) == 1 and out.count('run 1/1') == 1 and out.count('time per run') == 1
+    assert '2 ranks, each training whole runs' in out
+    assert out.count(T.table_line(T.COLUMNS)) == 2 and out.count('run 2/2') == 1 and out.count('time per run') == 1
     report = json.loads((tmp_path / 'r.json').read_text())
-    assert report['ranks'] == 2 and len(report['runs'][0]['rows']) == T.TINY['epochs']
-    assert report['runs'][0]['rows'][-1]['valid_acc'] > 0.2      # chance is 0.1; 2 epochs gave 0.165-0.365 by seed
-    assert png_size(tmp_path / 'r.png') == ONE_JOB_PNG
-    T.ResNet9({**T.HYP, **T.TINY}).load_state_dict(torch.load(tmp_path / 'ema.pt')['state_dict'])
+    assert [len(run['rows']) for run in report['runs']] == [1, 1]
+    assert png_size(tmp_path / 'r.png') == ONE_JOB_PNG and T.load_model(tmp_path / 'ema.pt').hyp['epochs'] == 1
 
 
 @contextlib.contextmanager
@@ -3038,122 +2971,6 @@ def one_thread():
         torch.set_num_threads(threads)
 
 
-def short_float64_run(data, rank=0, world=1):
-    """2 steps of 64 images at lr 1 in float64; after each, batch-norm averaging and an "EMA" that
-    copies the model. The EMA's state and the rows (rank, world: the processes that split batches)."""
-    short = {k: v[:128] if k.startswith('train') else v for k, v in data.items()}
-    hyp = {**T.HYP, **T.TINY, 'epochs': 1, 'lr_peak': 1.0, 'lr_floor': 1.0, 'ema_every': 1, 'ema_momentum': 0.0}
-    networks = T.warmed_up_trainer(short, hyp, torch.device('cpu'), torch.float64, False, T.print_nothing, rank, world)
-    rows = T.train_run(short, T.upload_test_set(short, networks), networks, hyp, 0, lambda row: None)
-    return networks.ema.state_dict(), rows
-
-
-WORKER = COUNTS_THREADS + """
-import math, time, torch, torch.distributed as dist
-{helpers}
-rank, world = int(os.environ['RANK']), int(os.environ['WORLD_SIZE'])
-cpu, out = torch.device('cpu'), {out!r}
-T.join_process_group(cpu)                         # the ranks split each batch
-data = T.load_cifar10(T.ensure_cifar10({data!r}))
-hyp = {{**T.HYP, **T.TINY, 'epochs': 2}}            # 30 steps of --tiny: the ranks must still agree bit for bit
-networks = T.warmed_up_trainer(data, hyp, cpu, torch.float32, False, T.print_nothing, rank, world)
-T.train_run(data, T.upload_test_set(data, networks), networks, hyp, 0, lambda row: None)
-torch.save(networks.ema.state_dict(), f'{{out}}/long_{{rank}}.pt')
-ema, rows = short_float64_run(data, rank, world)
-torch.save(ema, f'{{out}}/short_{{rank}}.pt')
-open(f'{{out}}/rows_{{rank}}.json', 'w').write(json.dumps(rows))
-# leave with an all-reduce in flight whose tensor only gloo holds: rank 1 joins it once rank 0, on
-# its way to leaving, says it has issued it (an event in the group's store, not a time)
-store = dist.distributed_c10d._get_default_store()
-if rank == 1:
-    store.wait(['issued'])
-dist.all_reduce(torch.ones(8), async_op=True)
-if rank == 0:
-    store.set('issued', 'yes')
-networks = None
-T.dist.destroy_process_group()
-"""
-
-
-@pytest.fixture(scope='module')
-def two_ranks(dataset, tmp_path_factory):
-    """One torchrun launch of WORKER on 2 ranks that split each batch: its folder and process."""
-    out = tmp_path_factory.mktemp('two_ranks')
-    helpers = inspect.getsource(short_float64_run)
-    worker = out / 'worker.py'
-    worker.write_text(WORKER.format(repo=str(SCRIPT.parent), data=str(dataset), out=str(out), helpers=helpers))
-    result = torchrun(worker)                                     # torchrun() stops it after 300 s
-    assert result.returncode == 0, result.stderr
-    return out, result
-
-
-def test_two_ranks_train_as_one_process_and_stay_identical(dataset, two_ranks):
-    """2 ranks at global batch 64 train the model one process trains at batch 64 with the same seed.
-
-    The comparison covers 2 steps in float64, each followed by the batch-norm averaging and an EMA
-    update with momentum 0, so the saved "EMA" is the trained model itself: the sharding into ghost
-    batch-norm splits, the loss scaling, the gradient and statistics averaging and the summed
-    metrics all act. The two differ only by rounding: sums of 64 terms taken in one pass or in two
-    halves. Rounding is float64's unit, 2^-53 = 1.1e-16, times what a step's arithmetic makes of it:
-    in fp32 the same 2 steps parted by up to 4e-6 of the largest weight on 16 datasets and seeds
-    (60 units of fp32's 6e-8), and in float64 by 2.6e-14 (230 units). The bound, 1e-10 of the
-    largest weight, allows 10^6 units, whatever kernels and threads a CPU uses; a sharding or
-    averaging mistake moves the weights by more than 1e-3. The losses are summed in fp32 (one unit:
-    6e-8), the accuracies are counts. The ranks, which share every all-reduce, must agree bit for
-    bit however long they train (30 steps, in fp32). Also: leaving the group stops gloo's threads.
-    """
-    folder, result = two_ranks
-    assert 'Grad strides do not match' not in result.stderr       # DDP copies no gradient
-    rank0, rank1 = torch.load(folder / 'long_0.pt'), torch.load(folder / 'long_1.pt')
-    assert all(torch.equal(rank0[k], rank1[k]) for k in rank0)
-    with one_thread():                                            # here, in one process, as a rank runs
-        one, (row_one, *_) = short_float64_run(T.load_cifar10(T.ensure_cifar10(dataset)))
-    two = torch.load(folder / 'short_0.pt')
-    assert all(torch.equal(two[k], torch.load(folder / 'short_1.pt')[k]) for k in two)
-    for name in one:                                             # weights, EMA and BN statistics
-        assert one[name].dtype in (torch.float64, torch.int64)
-        torch.testing.assert_close(two[name], one[name], rtol=0, atol=1e-10 * float(one[name].abs().max()))
-    row_two = json.loads((folder / 'rows_0.json').read_text())[0]
-    for key in ('train_loss', 'valid_loss'):                     # summed over the ranks
-        assert row_two[key] == pytest.approx(row_one[key], rel=1e-6)
-    for key in ('train_acc', 'valid_acc'):
-        assert row_two[key] == row_one[key]
-    for rank in (0, 1):
-        assert_gloo_threads_joined(folder / f'threads_{rank}.json')
-
-
-@pytest.mark.parametrize('rank', [0, 1])
-def test_a_batch_that_does_not_split_over_the_ranks_stops_the_job(dataset, monkeypatch, capsys, rank):
-    """Each rank of 2, as torchrun starts it, refuses in one line before it joins the group or trains."""
-    monkeypatch.setattr(T, 'join_process_group', lambda *args, **kwargs: pytest.fail('it joined'))
-    for name, value in (('RANK', rank), ('LOCAL_RANK', rank), ('WORLD_SIZE', 2)):
-        monkeypatch.setenv(name, str(value))
-    assert T.main(['--tiny', '--data-dir', str(dataset), '--batch-size', '32']) == 1
-    out, err = capsys.readouterr()
-    assert err.startswith(f"error (rank {rank}): --set batch_size=32: must be a multiple of 64 (ghost batch "
-                          "norm's split of 32 x 2 ranks)")
-    assert err.count('\n') == 1
-    assert T.table_line(T.COLUMNS) not in out
-
-
-def test_ranks_take_interleaved_shares_of_one_shuffled_order():
-    """Rank r of 4 trains on positions r, r + 4, ... of each batch of the one process's epoch, each
-    image augmented as there, so that the ghost batch-norm splits hold the same images."""
-    n, batch = 640, 64
-    padded, labels = torch.rand(n, 3, 40, 40), torch.arange(n) % 10
-    hyp = {**T.HYP, 'batch_size': batch, 'cutout': 8}
-    whole, whole_labels, steps = T.augmented_epoch(padded, labels, hyp, torch.Generator().manual_seed(7),
-                                                   torch.channels_last)
-    for rank in range(4):
-        images, share_labels, _ = T.augmented_epoch(padded, labels, hyp, torch.Generator().manual_seed(7),
-                                                    torch.channels_last, rank, 4)
-        assert torch.equal(images.reshape(steps, batch // 4, -1), whole.reshape(steps, batch, -1)[:, rank::4])
-        assert torch.equal(share_labels.view(steps, -1), whole_labels.view(steps, batch)[:, rank::4])
-
-
-# ---------------------------------------------------------------------------------------------
-# Whole runs spread over the ranks (--spread runs)
-# ---------------------------------------------------------------------------------------------
 SPREAD = ['--tiny', '--epochs', '1', '--runs', '4']
 
 
@@ -3161,7 +2978,7 @@ def spread_job(dataset, folder, *args, nproc=2, wait=True):
     """torchrun's ranks training whole runs of a 4-run --tiny job of one epoch, writing into folder
     (--json, --plot, --save); the finished process, or the started one if not wait."""
     command = [sys.executable, '-m', 'torch.distributed.run', '--standalone', f'--nproc_per_node={nproc}',
-               str(SCRIPT), *SPREAD, '--spread', 'runs', '--data-dir', str(dataset), '--plot',
+               str(SCRIPT), *SPREAD, '--data-dir', str(dataset), '--plot',
                str(folder / 'r.png'), '--save', str(folder / 'ema.pt'), *map(str, args)]
     job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                            start_new_session=True)                  # a group, as a terminal's job
@@ -3229,7 +3046,7 @@ def test_a_spread_job_that_loses_a_rank_resumes_in_one_process(dataset, tmp_path
     expected = [without_times(r) for r in one_process_job['runs']]
     assert [without_times(r) for r in kept] == [e for e in expected if e['run'] in {r['run'] for r in kept}]
     with one_thread():                                            # here, one thread as each rank had
-        assert T.main([*SPREAD, '--spread', 'runs', '--data-dir', str(dataset), '--resume', str(path)]) == 0
+        assert T.main([*SPREAD, '--data-dir', str(dataset), '--resume', str(path)]) == 0
     assert [without_times(r) for r in T.read_job(path, '--json')['runs']] == expected
 
 
@@ -3264,10 +3081,10 @@ def test_spread_runs_train_the_runs_of_one_process_and_a_rank_that_fails_costs_o
     pytest.importorskip('matplotlib')                            # --plot's; CI installs it
     path, worker = tmp_path / 'r.json', tmp_path / 'worker.py'
     worker.write_text(RANK_1_FAILS_IN_RUN_4.format(repo=str(SCRIPT.parent), path=str(path)))
-    result = torchrun(worker, *SPREAD, '--spread', 'runs', '--data-dir', dataset, '--json', path,
+    result = torchrun(worker, *SPREAD, '--data-dir', dataset, '--json', path,
                       '--plot', tmp_path / 'r.png', '--save', tmp_path / 'ema.pt')
     assert result.returncode != 0 and 'RuntimeError: rank 1 fails in run 4' in result.stderr
-    assert '2 ranks (gloo), each training whole runs' in result.stdout
+    assert '2 ranks, each training whole runs' in result.stdout
     titles = [line for line in result.stdout.splitlines() if line.startswith('run ') and ' (seed ' in line]
     assert titles == [f'run {k}/4 (seed {k - 1})' for k in (1, 2)]
     assert [r['run'] for r in T.read_job(path, '--json')['runs']] == [1, 2]
@@ -3283,11 +3100,10 @@ def test_spread_runs_train_the_runs_of_one_process_and_a_rank_that_fails_costs_o
     job, one = T.read_job(path, '--json'), one_process_job
     assert [without_times(r) for r in job['runs'][:4]] == [without_times(r) for r in one['runs']]
     assert (job['runs'][4]['run'], job['runs'][4]['seed'], job['runs'][4]['failed']) == (5, 4, False)
-    def settings(job):                                            # options: --spread runs, --save, ...
+    def settings(job):                                            # options: --save, --plot, ...
         return {k: v for k, v in job.items() if k not in ('runs', 'summary', 'options', 'runs_finished',
                                                           'runs_requested')}
-    assert settings(job) == settings(one)                                # the same job, ranks 1
-    assert (job['options']['spread'], one['options']['spread']) == ('runs', 'batches')
+    assert settings(job) == settings(one)                                # the same job
     assert png_size(tmp_path / 'r.png') == ONE_JOB_PNG
     assert torch.load(tmp_path / 'ema.pt')['run'] == 5                       # rank 0's: run 4 is rank 1's
     assert [p.name for p in tmp_path.glob('.*')] == []                       # no rank file, no part left

@@ -5,7 +5,7 @@
     python train_cifar10.py --resume a.json                       # the same job, resumed
     python train_cifar10.py --runs 50 --set label_smoothing=0.1 --json b.json    # a variant
     python train_cifar10.py --compare a.json b.json               # is the variant better?
-    torchrun --nproc_per_node=8 train_cifar10.py --runs 800 --spread runs --json c.json  # 8 GPUs
+    torchrun --nproc_per_node=8 train_cifar10.py --runs 800 --json c.json   # a run per GPU at once
 
 The final recipe of David Page's "How to train your ResNet" (Myrtle.ai, 2018-19), 94.1% mean
 test accuracy in 10 epochs, 26 s on a V100: a ResNet9 that first whitens 3x3 patches, ghost batch
@@ -16,40 +16,40 @@ import copy, math, time
 
 import numpy as np
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
 # ==== Hyperparameters ==========================================================================
-# David Page's final 10-epoch recipe ("How to train your ResNet 8: bag of tricks": "Page 8", where
-# a trick's gain is a mean of 50 runs). The loss is summed over the batch and a step's lr is
-# schedule(epoch) / batch_size, its weight decay times batch_size: the schedule is the rate of the
-# mean gradient, and lr x wd a step's decay, whatever the batch size. --set NAME=VALUE sets any.
+# David Page's final 10-epoch recipe, from "How to train your ResNet 8: bag of tricks" (Page 8
+# below), where each trick's gain is a mean over 50 runs. The loss is summed over the batch. A
+# step's learning rate is the schedule's value divided by batch_size, and its weight decay is
+# weight_decay x batch_size, so that the schedule is the rate for the mean gradient and their
+# product is the decay per step, whatever the batch size. --set NAME=VALUE changes any of them.
 HYP = dict(
     epochs=10,               # Page: 94.1% mean with flip-TTA after 10 epochs (26 s on a V100)
-    batch_size=512,          # Page; the last partial batch is dropped: 97 steps per epoch
-    lr_peak=1.0,             # schedule: 0 -> lr_peak, linearly, over the first fifth of training
-    lr_floor=0.1,            # ... then linearly down to lr_floor, held for the last floor_epochs:
-    floor_epochs=2,          # Page 8: the rate ends above 0, so the weights the EMA averages move
+    batch_size=512,          # Page; the last partial batch is dropped, leaving 97 steps per epoch
+    lr_peak=1.0,             # the rate rises linearly from 0 to lr_peak over the first fifth, ...
+    lr_floor=0.1,            # ... falls linearly to lr_floor and stays there for the last ...
+    floor_epochs=2,          # ... floor_epochs (Page 8), so that the weights the EMA averages move
     momentum=0.9,            # Page: Nesterov momentum
-    weight_decay=5e-4,       # Page; times batch_size per step, see above
-    bias_lr_scale=64.0,      # Page 8: batch-norm biases take lr x 64 and weight decay / 64; 0: off
-    label_smoothing=0.2,     # Page 8: targets 0.8 x one-hot + 0.2 x uniform; 0: off
-    ema_momentum=0.99,       # Page 8: EMA of weights and BN statistics, ~an epoch; 0: off
-    ema_every=5,             # ... applied every 5 steps as momentum**5: more often did not help
-    bn_split_size=32,        # Page 8: ghost batch norm over 32 images; 0: over the whole batch
-    bn_scale_frozen=True,    # Page 8: batch-norm scales fixed at 1; False: learned, all else kept
-    celu_alpha=0.3,          # Page 8: CELU(0.3), a smooth ReLU; 0: ReLU (CELU's limit)
+    weight_decay=5e-4,       # Page; multiplied by batch_size per step, as above
+    bias_lr_scale=64.0,      # Page 8: batch-norm biases take lr x 64 and weight decay / 64 (0 is off)
+    label_smoothing=0.2,     # Page 8: targets are 0.8 x one-hot + 0.2 x uniform (0 is off)
+    ema_momentum=0.99,       # Page 8: EMA of weights and BN statistics, about an epoch (0 is off)
+    ema_every=5,             # ... updated every 5 steps by momentum**5; more often did not help
+    bn_split_size=32,        # Page 8: ghost batch norm over 32 images (0 uses the whole batch)
+    bn_scale_frozen=True,    # Page 8: batch-norm scales are fixed at 1 (False learns them)
+    celu_alpha=0.3,          # Page 8: CELU(0.3), a smooth ReLU (0 is ReLU, CELU's limit)
     logit_scale=1 / 16,      # Page: logits x 1/16, a fixed temperature of the softmax
-    whitening='fixed',       # Page 8: a fixed whitening; 'learned' (and decayed); 'none': a conv
-    flip_tta=True,           # Page 8: evaluate each image with its mirror; False: the image alone
-    channels=(64, 128, 256, 512),  # Page's ResNet9 widths: prep, layer1, layer2, layer3
-    whitening_images=10000,  # Page: patch second moment from 10,000 training images ...
-    whitening_eps=1e-2,      # ... each filter divided by sqrt(eigenvalue + eps)
+    whitening='fixed',       # Page 8: fixed ('none' is a plain conv; 'learned' trains it)
+    flip_tta=True,           # Page 8: a test image's logits are averaged with its mirror's (False is off)
+    channels=(64, 128, 256, 512),  # Page's ResNet9 widths of prep, layer1, layer2 and layer3
+    whitening_images=10000,  # Page: the patches' second moment is taken over 10,000 images ...
+    whitening_eps=1e-2,      # ... and each filter is divided by sqrt(eigenvalue + eps)
     pad=4,                   # Page: reflect-pad by 4, then take a random 32x32 crop
     cutout=0,                # side of a zeroed square: 0 in the 10-epoch recipe, 8 in longer ones
-    augment_options=200,     # Page 8: at most 200 crop (cutout) positions an epoch, see crop()
-    eval_batch_size=1000,    # any size gives the same results up to rounding; 1000 divides 10,000
+    augment_options=200,     # Page 8: at most 200 crop offsets (and cutout corners) per epoch
+    eval_batch_size=1000,    # any size gives the same results up to rounding
     train_images=50000,      # the first N training images: all of CIFAR-10's, or fewer for a ...
     test_images=10000,       # ... learning curve or a quick check; the first N test images
 )
@@ -98,21 +98,17 @@ def cutout(images, top, left, size):
     return images.masked_fill_(rows.view(-1, 1, 32, 1) & columns.view(-1, 1, 1, 32), 0)
 
 
-def augmented_epoch(padded, labels, hyp, generator, layout, rank=0, world=1):
+def augmented_epoch(padded, labels, hyp, generator, layout):
     """A fresh augmentation of every image, in a fresh order, cut into whole batches: the images
-    (in the step's memory layout), their labels and the number of steps. Each image is the 32 x 32
-    window of its padded image at its offset, read right to left where it is flipped; one gather
-    makes every crop and flip, in the order drawn. The draws reach the device in one copy. Under
-    torchrun each rank keeps positions rank, rank + world, ... of each batch, so that the ghost
-    batch-norm splits hold the images they hold in one process."""
+    in the step's memory layout, their labels, and the number of steps. Each image is the 32 x 32
+    window of its padded image at its offset, read right to left where it is flipped, so that one
+    gather makes every crop and flip in the order drawn. The draws reach the device in one copy."""
     draws = draw_augmentation(len(padded), hyp, generator)
     if padded.device.type == 'cuda':  # from pinned memory the copy is queued and the host goes on
         draws = draws.pin_memory()
     draws = draws.to(padded.device, non_blocking=True)
-    batch = hyp['batch_size']
-    steps = len(padded) // batch  # the last partial batch is dropped
-    draws = draws[:, :steps * batch].view(len(draws), steps, batch // world, world)[..., rank]
-    order, top, left, flip, *corner = draws.flatten(1)
+    steps = len(padded) // hyp['batch_size']  # the last partial batch is dropped
+    order, top, left, flip, *corner = draws[:, :steps * hyp['batch_size']]
     positions = torch.arange(32, device=padded.device)
     rows = top.view(-1, 1, 1) + positions.view(1, 32, 1)
     mirrored = torch.where(flip.view(-1, 1) == 1, 31 - positions, positions)
@@ -390,11 +386,10 @@ class Trainer:
     its EMA in fp32, and eval_network, into which evaluate() copies the EMA in the network's dtype.
     Also the loss and flip-TTA functions, compiled unless compile_mode is False (else it is
     torch.compile's mode), and the memory layout: channels_last where compiled, except on MPS, and
-    NCHW otherwise. rank and world place this process among the torchrun ranks that split each
-    batch. new_run() starts each run."""
+    NCHW otherwise. new_run() starts each run."""
 
-    def __init__(self, hyp, device, dtype, compile_mode, rank=0, world=1):
-        self.device, self.dtype, self.rank, self.world = device, dtype, rank, world
+    def __init__(self, hyp, device, dtype, compile_mode):
+        self.device, self.dtype = device, dtype
         channels_last = compile_mode and device.type != 'mps'
         layout = torch.channels_last if channels_last else torch.contiguous_format
         self.memory_format = layout
@@ -406,12 +401,6 @@ class Trainer:
         self.network = network(dtype)
         self.eval_network = network(dtype).eval().requires_grad_(False)
         self.ema = network(at_least_fp32(dtype)).eval().requires_grad_(False)
-        # The module a step calls: the network, or under torchrun the harness's wrapper, which
-        # averages the ranks' gradients.
-        self.synced_network = self.network
-        # The gradient of the summed loss that backward starts from: world, because under torchrun
-        # the wrapper averages the ranks' gradients, and the recipe's step is their sum.
-        self.loss_gradient = torch.tensor(float(world), device=device)
         self.ema_tensors = averaged_tensors(self.ema)  # each list made once, for one call each
         self.eval_tensors = averaged_tensors(self.eval_network)
         norms = [m for m in self.network.modules() if isinstance(m, nn.BatchNorm2d)]
@@ -446,34 +435,21 @@ class Trainer:
         self.trained_tensors = averaged_tensors(self.network, self.optimiser.masters)
 
 
-@torch.no_grad()
-def average_over_ranks(tensors, world):
-    """Replace each tensor by its mean over the world processes that split each batch under
-    torchrun (one all-reduce), so that every rank holds the same. Alone (world 1), nothing changes."""
-    if world > 1:
-        flat = torch.cat([t.flatten() for t in tensors]) / world
-        dist.all_reduce(flat)
-        for t, mean in zip(tensors, flat.split([t.numel() for t in tensors])):
-            t.copy_(mean.view_as(t))
-
-
 def train_epoch(trainer, images, labels, rates, hyp):
     """One pass over the epoch's batches, one step per learning rate in rates. Returns the summed
     loss and the count of correct answers, as device tensors that nothing waits for. The EMA is
     updated after batches 0, 5, 10, ... (without an EMA, it copies the weights after the last)."""
-    steps = len(rates)
-    batch = hyp['batch_size'] // trainer.world  # this process's images per step
+    steps, batch = len(rates), hyp['batch_size']
     ema_steps = range(0, steps, hyp['ema_every']) if hyp['ema_momentum'] else [steps - 1]
     update_momentum = hyp['ema_momentum'] ** hyp['ema_every']  # one update per ema_every steps
     loss_sum = correct = 0  # device tensors after the first step
     for i, lr in enumerate(rates):
         x, y = images[i * batch:(i + 1) * batch], labels[i * batch:(i + 1) * batch]
         trainer.network.zero_grad()  # None frees the last step's gradients before the forward
-        loss, logits = trainer.loss(trainer.synced_network, x, y, hyp['label_smoothing'])
-        loss.backward(trainer.loss_gradient)
+        loss, logits = trainer.loss(trainer.network, x, y, hyp['label_smoothing'])
+        loss.backward()
         trainer.optimiser.step(lr)
         if i in ema_steps:
-            average_over_ranks(trainer.batch_norm_statistics, trainer.world)
             ema_update(trainer.ema_tensors, trainer.trained_tensors, update_momentum)
         loss_sum += loss.detach()
         correct += (logits.argmax(1) == y).sum()
@@ -482,12 +458,10 @@ def train_epoch(trainer, images, labels, rates, hyp):
 
 # ==== 4. Evaluation: the EMA model with flip test-time augmentation ============================
 def upload_test_set(data, trainer):
-    """This process's test images (rank, rank + world, ...) on the device in the network's dtype
-    and layout, and their labels."""
-    share = slice(trainer.rank, None, trainer.world)
-    images = upload_normalised(data['test_images'][share], trainer.device, trainer.dtype)
+    """The test images on the device, in the network's dtype and layout, and their labels."""
+    images = upload_normalised(data['test_images'], trainer.device, trainer.dtype)
     images = images.contiguous(memory_format=trainer.memory_format)
-    labels = torch.from_numpy(data['test_labels'][share]).to(trainer.device, torch.int64)
+    labels = torch.from_numpy(data['test_labels']).to(trainer.device, torch.int64)
     return images, labels
 
 
@@ -526,8 +500,8 @@ def train_run(data, test_set, trainer, hyp, seed, on_epoch, steps_per_epoch=None
     EMA is left in trainer.ema. test_set is upload_test_set's. seed fixes the weights and every
     augmentation draw, which are made on the CPU, so that a run is the same on any device.
     steps_per_epoch cuts the epochs short for a warm-up. The clock leaves out the evaluation."""
-    device, generator = trainer.device, torch.Generator().manual_seed(seed)
-    layout, rank, world = trainer.memory_format, trainer.rank, trainer.world
+    device, layout = trainer.device, trainer.memory_format
+    generator = torch.Generator().manual_seed(seed)
     start = synced_clock(device)
     images = upload_normalised(data['train_images'], device, trainer.dtype)
     labels = torch.from_numpy(data['train_labels']).to(device, torch.int64)
@@ -535,11 +509,9 @@ def train_run(data, test_set, trainer, hyp, seed, on_epoch, steps_per_epoch=None
     whitening = None
     if hyp['whitening'] != 'none':
         whitening = whitening_filters(images[:hyp['whitening_images']], hyp['whitening_eps'])
-        average_over_ranks([whitening], world)  # under torchrun, the same on every rank
     del images  # the steps read the padded copy
     trainer.new_run(hyp, seed, whitening)
-    epoch_images, epoch_labels, steps = augmented_epoch(padded, labels, hyp, generator, layout,
-                                                        rank, world)
+    epoch_images, epoch_labels, steps = augmented_epoch(padded, labels, hyp, generator, layout)
     steps = min(steps, steps_per_epoch or steps)
     # The schedule's rate at the end of each step, so that the first step's is not 0.
     rates = lr_schedule(hyp, np.arange(1, hyp['epochs'] * steps + 1) / steps).tolist()
@@ -550,16 +522,13 @@ def train_run(data, test_set, trainer, hyp, seed, on_epoch, steps_per_epoch=None
         train_loss, train_correct = train_epoch(trainer, epoch_images, epoch_labels, epoch_rates,
                                                 hyp)
         if epoch < hyp['epochs']:  # the next epoch's images, queued behind this epoch's steps
-            epoch_images, epoch_labels, _ = augmented_epoch(padded, labels, hyp, generator,
-                                                            layout, rank, world)
+            epoch_images, epoch_labels, _ = augmented_epoch(padded, labels, hyp, generator, layout)
         train_time = synced_clock(device) - start
         start = time.perf_counter()
         valid_loss, valid_correct, plain_correct = evaluate(trainer, *test_set, hyp)
         valid_time = synced_clock(device) - start
         total_time += train_time
         sums = torch.stack([train_loss, train_correct, valid_loss, valid_correct, plain_correct])
-        if world > 1:
-            dist.all_reduce(sums)  # the sums over every process's share of the images
         train_loss, train_correct, valid_loss, valid_correct, plain_correct = sums.tolist()
         n_train, n_test = steps * hyp['batch_size'], len(data['test_images'])
         rows.append(dict(epoch=epoch, lr=epoch_rates[-1], train_time=train_time,
@@ -574,15 +543,17 @@ def train_run(data, test_set, trainer, hyp, seed, on_epoch, steps_per_epoch=None
 
 
 # #############################################################################################
-# Harness: what a run is given (device, dtype, compilation, ranks, --tiny's TINY), and all that is
-# around it: the download, torchrun, the Python entry, reporting, statistics, job files and the
-# command line. It changes no number that a run computes.
+# Harness: what a run is given (device, dtype, compilation, --tiny's TINY), and all that is around
+# it: the download, torchrun, the Python entry, reporting, statistics, job files and the command
+# line. It changes no number that a run computes.
 # #############################################################################################
 
-import argparse, codecs, contextlib, datetime, difflib, hashlib, http.client, importlib.util, inspect, io
+import argparse, codecs, contextlib, datetime, difflib, hashlib, http.client, importlib.util, io
 import json, numbers, os, pickle, platform, shutil, signal, sys, tarfile, tempfile, textwrap
 import urllib.request
 from pathlib import Path
+
+import torch.distributed as dist
 
 # --tiny runs the recipe narrow, on a subset, in seconds on 2 CPU cores. Its EMA momentum is 0.9,
 # because 0.99 would average over the last 100 or so steps, too many of its 184.
@@ -591,7 +562,7 @@ TINY = dict(epochs=4, batch_size=64, train_images=3000, test_images=500, channel
 
 
 def print_nothing(*args, **kwargs):
-    """Stands in for print on ranks other than 0, and in train() unless progress is asked for."""
+    """Stands in for print on torchrun's ranks but 0, and in train() unless progress is asked."""
 
 
 # ==== Download and safe loading of CIFAR-10's files ============================================
@@ -720,20 +691,16 @@ def first_images(data, hyp):
 
 
 # ==== Devices, precision and compilation =======================================================
-def pick_device(name, local_rank=None, share=False):
+def pick_device(name, local_rank=None):
     """The training device: the one named, or for auto the best there is. Under torchrun it is the
-    GPU of the rank's LOCAL_RANK, or with share, LOCAL_RANK modulo the GPUs, for ranks that
-    outnumber them."""
+    GPU of the rank's LOCAL_RANK."""
     if name == 'auto':
         accelerator = torch.accelerator.current_accelerator(check_available=True)  # None on a CPU
         name = 'cpu' if accelerator is None else accelerator.type
     try:
         device = torch.device(name)
         if device.type == 'cuda' and local_rank is not None:
-            index = local_rank
-            if share:
-                index = local_rank % max(torch.cuda.device_count(), 1)
-            device = torch.device('cuda', index)
+            device = torch.device('cuda', local_rank)
         torch.empty(1, device=device)  # raises where torch cannot compute on it
     except (RuntimeError, AssertionError) as e:  # AssertionError: a torch built without CUDA
         why = str(e).strip().split('\n')[0]
@@ -750,15 +717,15 @@ def pick_dtype(name, device):
     return dict(fp16=torch.float16, bf16=torch.bfloat16, fp32=torch.float32)[name]
 
 
-def pick_compile_mode(option, device, tiny=False, batch_ranks=1):
+def pick_compile_mode(option, device, tiny=False):
     """torch.compile's mode, or False for eager. Compiled unless option is False, by default not on
-    MPS (experimental there) nor for --tiny (compiling would outlast it). The mode replays CUDA
-    graphs on CUDA, but not where DDP splits batches over ranks (pytorch#139207)."""
+    MPS (experimental there) nor for --tiny (compiling would outlast it). CUDA replays the steps as
+    CUDA graphs."""
     if option is None:
         option = device.type != 'mps' and not tiny
     if not option:
         return False
-    return 'reduce-overhead' if device.type == 'cuda' and batch_ranks == 1 else 'default'
+    return 'reduce-overhead' if device.type == 'cuda' else 'default'
 
 
 @contextlib.contextmanager
@@ -781,30 +748,19 @@ def torch_settings(device, compile_mode=False):
         cudnn.benchmark, cudnn.allow_tf32, matmul.allow_tf32 = saved
 
 
-def warmed_up_trainer(data, hyp, device, dtype, compile_mode, log, rank=0, world=1):
-    """A new Trainer, with DDP's wrapper where ranks split batches, compiled if asked, with its
-    compiled step checked against eager's. Then an untimed run of 2 steps pays the one-off costs,
-    and on a GPU a second one, since cuDNN's search comes first and the CUDA graphs second."""
-    trainer = Trainer(hyp, device, dtype, compile_mode, rank, world)
-    if world > 1:  # DDP syncs no buffers: train_epoch averages them
-        options = inspect.signature(nn.parallel.DistributedDataParallel).parameters
-        buffer_sync = next(o for o in ('forward_sync_buffers', 'broadcast_buffers') if o in options)
-        device_ids = [device] if device.type == 'cuda' else None
-        trainer.synced_network = nn.parallel.DistributedDataParallel(
-            trainer.network, device_ids=device_ids, **{buffer_sync: False})
+def warmed_up_trainer(data, hyp, device, dtype, compile_mode, log):
+    """A new Trainer, compiled if asked, with its compiled step checked against eager's. Then an
+    untimed run of 2 steps pays the one-off costs, and on a GPU a second one, since cuDNN's search
+    comes first and the CUDA graphs second."""
+    trainer = Trainer(hyp, device, dtype, compile_mode)
     if compile_mode:
         start = time.perf_counter()
-        batch = hyp['batch_size'] // world
-        x = upload_normalised(data['train_images'][:batch], device, dtype)
-        y = torch.from_numpy(data['train_labels'][:batch]).to(device, torch.int64)
-        alone = contextlib.nullcontext()
-        if world > 1:
-            alone = trainer.synced_network.no_sync()  # no all-reduce, so no rank waits for another
+        x = upload_normalised(data['train_images'][:hyp['batch_size']], device, dtype)
+        y = torch.from_numpy(data['train_labels'][:hyp['batch_size']]).to(device, torch.int64)
         try:
             trainer.new_run(hyp, 0, whitening_filters(x, hyp['whitening_eps']))
-            with alone:
-                x = x.contiguous(memory_format=trainer.memory_format)
-                why = compiled_step_error(trainer, x, y, hyp)
+            x = x.contiguous(memory_format=trainer.memory_format)
+            why = compiled_step_error(trainer, x, y, hyp)
         except Exception as error:  # no C++ compiler, a damaged cache file, ...
             cause = error  # the root of what the compiler wrapped
             while getattr(cause, 'inner_exception', None) or cause.__cause__:
@@ -837,8 +793,8 @@ def compiled_step_error(trainer, x, y, hyp):
     on = 'cpu' if x.device.type == 'mps' else x.device
     reference = loss_and_gradients(copy.deepcopy(trainer.network).to(on, wide), summed_loss,
                                    x.to(on, wide))
-    eager = loss_and_gradients(trainer.synced_network, summed_loss, x)
-    compiled = loss_and_gradients(trainer.synced_network, trainer.loss, x)
+    eager = loss_and_gradients(trainer.network, summed_loss, x)
+    compiled = loss_and_gradients(trainer.network, trainer.loss, x)
     if not all(torch.isfinite(t).all() for t in eager + reference):
         return None  # nothing to judge by: eager training will meet the same NaN and say so
     names = ['the loss'] + [f"{name}'s gradient" for name, p in trainer.network.named_parameters()
@@ -863,31 +819,16 @@ GRAPH_SETTINGS = ('batch_size', 'bn_split_size', 'bn_scale_frozen', 'celu_alpha'
 TRAINERS = {}  # this process's last few Trainers by their settings, the one used last at the end
 
 
-def trainer_for(data, hyp, device, dtype, compile_mode, log, rank=0, world=1):
+def trainer_for(data, hyp, device, dtype, compile_mode, log):
     """The Trainer for hyp's graph settings: warmed_up_trainer's the first time they are asked for,
     and the same one again later. The 4 used last are kept, for sweeps that go back and forth."""
-    key = (json.dumps([hyp[name] for name in GRAPH_SETTINGS]), str(device), dtype, compile_mode,
-           rank, world)
+    key = (json.dumps([hyp[name] for name in GRAPH_SETTINGS]), str(device), dtype, compile_mode)
     if key not in TRAINERS:
-        TRAINERS[key] = warmed_up_trainer(data, hyp, device, dtype, compile_mode, log, rank, world)
+        TRAINERS[key] = warmed_up_trainer(data, hyp, device, dtype, compile_mode, log)
     TRAINERS[key] = TRAINERS.pop(key)  # now the last used
     if len(TRAINERS) > 4:
         del TRAINERS[next(iter(TRAINERS))]
     return TRAINERS[key]
-
-
-# ==== torchrun: the ranks split each batch (the default) or train whole runs (--spread runs) ====
-def join_process_group(device, split_batches=True):
-    """Join torchrun's ranks: NCCL for GPUs that split batches, gloo otherwise, which waits up to 7
-    days for a round's slowest run. torch.distributed.nn is imported first, because if DDP imported
-    it later, its defaults would hold the group, whose gloo threads would then outlive it and abort
-    in Python's shutdown."""
-    import torch.distributed.nn  # noqa: F401
-    nccl = device.type == 'cuda' and split_batches
-    if device.type == 'cuda':
-        torch.cuda.set_device(device)
-    dist.init_process_group('nccl' if nccl else 'gloo', device_id=device if nccl else None,
-                            timeout=None if split_batches else datetime.timedelta(days=7))
 
 
 # ==== From Python: a run on the data a caller gives, a model's test logits, saving and loading =
@@ -1007,14 +948,12 @@ def evaluation_label(hyp):
             f"{'EMA' if hyp['ema_momentum'] else 'no EMA: the trained weights'}")
 
 
-def header_lines(job, world=1, spread=False):
+def header_lines(job, world=1):
     """A log's lines before its first row: the script's version, the device, the settings and the
-    FLOPs. job holds Job.identity."""
+    FLOPs. job holds Job.identity; world is the number of torchrun's ranks."""
     hyp, flops, device = job['hyperparameters'], job['flops'], job['device']
-    peak = f" | peak {job['peak_tflops'] * job['ranks']:g} TFLOP/s" if job['peak_tflops'] else ''
     if world > 1:
-        share = 'each training whole runs' if spread else 'splitting each batch'
-        device += f' | {world} ranks ({dist.get_backend()}), {share}'
+        device += f' | {world} ranks, each training whole runs'
     settings = ', '.join(f'{k}={v}' for k, v in hyp.items())
     return [f"train_cifar10.py {job['script_sha256']} | torch {job['torch']} | {device}",
             f"dtype {job['dtype'].split('.')[-1]} (batch norm and the loss fp32; no TF32), in "
@@ -1023,15 +962,15 @@ def header_lines(job, world=1, spread=False):
             *textwrap.wrap(f'hyperparameters: {settings}', 100, subsequent_indent='    ',
                            break_long_words=False),
             f"data: {job['data']} (files' digest {job['data_digest']})",
-            f"model FLOPs: {flops['step'] / 1e12:.4g} TFLOP a training step x {flops['steps']} "
-            f"steps = {flops['run'] / 1e12:.4g} TFLOP a run{peak}",
+            f"model FLOPs: {flops['step'] / 1e12:.4g} TFLOP per training step x {flops['steps']} "
+            f"steps = {flops['run'] / 1e12:.4g} TFLOP per run",
             f'valid = accuracy ({evaluation_label(hyp)}) and label-smoothed loss; total time = '
             'preprocessing + training (DAWNBench rule: validation excluded, after a warm-up)']
 
 
-def summarize(runs, flops=None, peak=None, world=1, hyp=HYP):
-    """Statistics of the finished runs; failed runs are counted but not averaged. With flops (a
-    run's) and the device's peak, the summary has the FLOP rate and the model-FLOP utilisation."""
+def summarize(runs, flops=None, hyp=HYP):
+    """Statistics of the finished runs; failed runs are counted but not averaged. With a run's
+    flops, the summary has the rate of model FLOPs."""
     finished = [r for r in runs if not r['failed']]
     summary = dict(runs=len(runs), finished=len(finished), failed=len(runs) - len(finished))
     if not finished:
@@ -1052,8 +991,6 @@ def summarize(runs, flops=None, peak=None, world=1, hyp=HYP):
         summary['acc_ci95_clipped'] = not 0 <= low <= high <= 1
     if flops:
         summary['tflops_per_s'] = flops / 1e12 / times.mean()
-        if peak:
-            summary['mfu'] = summary['tflops_per_s'] / (peak * world)
     return summary  # numpy's floats are Python floats, for json too
 
 
@@ -1089,8 +1026,7 @@ def summary_lines(summary):
     if 'tflops_per_s' in summary:
         rate = summary['tflops_per_s']
         rate = f'{rate:.2f} TFLOP/s' if rate >= 1 else f'{1000 * rate:.3g} GFLOP/s'
-        mfu = f", model-FLOP utilisation {100 * summary['mfu']:.1f} %" if 'mfu' in summary else ''
-        lines.append(f'achieved: {rate} of model FLOPs per run{mfu}')
+        lines.append(f'achieved: {rate} of model FLOPs per run')
     return lines
 
 
@@ -1148,26 +1084,6 @@ def count_flops(hyp, n_train):
     return dict(step=counter.get_total_flops(), steps=steps, run=steps * counter.get_total_flops())
 
 
-# The datasheets' dense fp16 and bf16 tensor-core peaks in TFLOP/s, by the GPU's name: the model
-# FLOP utilisation (MFU) is a share of them.
-PEAK_TFLOPS = {
-    'NVIDIA H100 80GB HBM3': 989, 'NVIDIA H100 PCIe': 756, 'NVIDIA H200': 989,
-    **dict.fromkeys(('NVIDIA A100-SXM4-40GB', 'NVIDIA A100-SXM4-80GB', 'NVIDIA A100-PCIE-40GB',
-                     'NVIDIA A100 80GB PCIe'), 312), 'NVIDIA L40S': 362, 'NVIDIA L4': 121,
-    'NVIDIA A10G': 70, 'Tesla T4': 65, 'Tesla V100-SXM2-16GB': 125, 'Tesla V100-SXM2-32GB': 125,
-    'NVIDIA GeForce RTX 4090': 165}
-
-
-def peak_tflops(device, dtype):
-    """The table's figure for a known GPU training in fp16, or in bf16 where it has bf16 tensor
-    cores (compute capability 8.0 and later, since a T4 or V100 emulates bf16), else None."""
-    if device.type != 'cuda' or dtype == torch.float32:
-        return None
-    if dtype == torch.bfloat16 and torch.cuda.get_device_capability(device)[0] < 8:
-        return None
-    return PEAK_TFLOPS.get(torch.cuda.get_device_name(device))
-
-
 # ==== Statistics: the t distribution, Welch's comparison, what a comparison can resolve ========
 def t_cdf(t, df):
     """P(T <= t) for Student's t with df >= 1 degrees of freedom. With t = sqrt(df) tan(u), the
@@ -1211,8 +1127,8 @@ def welch(a, b):
 JOB_FORMAT = 'train_cifar10.py job, format 4'
 # A job's identity, which --resume refuses to mix and --compare shows: what can change a run's numbers.
 DATA_KEYS = ('data', 'data_digest', 'test_images')
-JOB_KEYS = ('script_sha256', 'torch', 'device', 'ranks', 'dtype', 'compile', 'hyperparameters',
-            'seed', 'train_images', *DATA_KEYS)
+JOB_KEYS = ('script_sha256', 'torch', 'device', 'dtype', 'compile', 'hyperparameters', 'seed',
+            'train_images', *DATA_KEYS)
 
 
 def write_atomically(path, data):
@@ -1364,10 +1280,9 @@ def no_such_name(name):
     return f'no such hyperparameter{hint} (HYP lists them)'
 
 
-def hyp_problem(hyp, world=1):
-    """Why hyp cannot make a run, with its batches split over world ranks, or None. A strange value
-    is a researcher's to try (a run that diverges is reported as failed); one that can make no run
-    is refused."""
+def hyp_problem(hyp):
+    """Why hyp cannot make a run, or None. A strange value is a researcher's to try (a run that
+    diverges is reported as failed); one that can make no run is refused."""
     for name, value in hyp.items():
         if name not in HYP:
             return f'{name}: {no_such_name(name)}'
@@ -1383,13 +1298,8 @@ def hyp_problem(hyp, world=1):
     if hyp['whitening'] not in ('fixed', 'learned', 'none'):
         return f"whitening={hyp['whitening']}: must be fixed, learned or none"
     split, batch = hyp['bn_split_size'], hyp['batch_size']
-    if world > 1 and not split:
-        return ("bn_split_size=0 where torchrun's ranks split each batch: each would normalise its "
-                'share, not the batch; use one process or --spread runs')
-    if batch % (world * (split or 1)):
-        ranks = f' x {world} ranks' if world > 1 else ''
-        return (f"batch_size={batch}: must be a multiple of {world * split} (ghost batch norm's "
-                f'split of {split}{ranks})')
+    if batch % (split or 1):
+        return f"batch_size={batch}: must be a multiple of ghost batch norm's split, {split}"
     return None
 
 
@@ -1447,9 +1357,7 @@ def parse_args(argv, defaults=None):
     add('--resume', metavar='PATH', help="continue this --json file's job, in it, with its options")
     add('--compare', nargs='+', metavar='JOB', help='compare jobs with the first; trains nothing')
     add('--compile', action=argparse.BooleanOptionalAction, help='(default: on, as CUDA graphs on '
-        'one GPU; off on mps and for --tiny): a minute or less, once, before the first run')
-    add('--spread', choices=['batches', 'runs'], default='batches',
-        help='torchrun: split each batch over the ranks, or give each rank whole runs')
+        'CUDA; off on mps and for --tiny): a minute or less, once, before the first run')
     parser.set_defaults(**{'set': [], **(defaults or {})})
     return parser.parse_args(argv)
 
@@ -1459,9 +1367,9 @@ def in_notebook_cell():
     return os.path.basename(sys.argv[0]).endswith('kernel_launcher.py')
 
 
-def check_options(args, hyp, world, resumed_save=None):
+def check_options(args, hyp, resumed_save=None):
     """Refuse in one line, before any work, what cannot make a sensible job: settings and paths."""
-    why = hyp_problem(hyp, world)
+    why = hyp_problem(hyp)
     if why:
         raise UserError(f'--set {why}')
     for flag in ('--json', '--resume', '--save', '--plot'):
@@ -1485,7 +1393,8 @@ def check_options(args, hyp, world, resumed_save=None):
 
 class Job:
     """One command's runs and the files rewritten after each. main() calls set_up, run_all and
-    end."""
+    end. Under torchrun each rank trains whole runs, one per rank in each round, and rank 0 keeps
+    the round's runs, prints them and writes the files."""
 
     def __init__(self, args, argv=()):
         self.args, self.argv = args, argv  # as parsed, and as given
@@ -1507,18 +1416,20 @@ class Job:
         args = self.args
         settings = dict(hyp_setting(text) for text in args.set)  # the last value of each
         self.hyp = hyp = hyperparameters(settings, args.tiny)
-        self.spread = args.spread == 'runs' and self.world > 1  # each rank trains whole runs
-        self.batch_ranks = 1 if self.spread else self.world  # the ranks that split a batch
         resumed_save = resumed['options']['save'] if resumed else None  # rewritten, not refused
-        check_options(args, hyp, self.batch_ranks, resumed_save)
+        check_options(args, hyp, resumed_save)
         local_rank = self.local_rank if self.world > 1 else None
-        self.device = device = pick_device(args.device, local_rank, share=self.spread)
-        self.compile_mode = pick_compile_mode(args.compile, device, args.tiny, self.batch_ranks)
+        self.device = device = pick_device(args.device, local_rank)
+        self.compile_mode = pick_compile_mode(args.compile, device, args.tiny)
         self.dtype = pick_dtype(args.dtype, device)
-        if self.world > 1:
-            join_process_group(device, not self.spread)  # spread: gloo, to gather finished runs
-        if self.spread:  # torchrun stops every rank with SIGTERM when one fails: end as at Ctrl-C
-            signal.signal(signal.SIGTERM, signal.default_int_handler)
+        if self.world > 1:  # gloo gathers the finished runs, waiting up to a week for the slowest
+            if device.type == 'cuda':
+                torch.cuda.set_device(device)
+            # Imported later, torch.distributed.nn's defaults would hold the group, whose gloo
+            # threads would then outlive it and abort in Python's shutdown.
+            import torch.distributed.nn  # noqa: F401
+            dist.init_process_group('gloo', timeout=datetime.timedelta(days=7))
+            signal.signal(signal.SIGTERM, signal.default_int_handler)  # torchrun's stop, as Ctrl-C
         if self.world > 1 and self.local_rank != 0:  # one rank per machine downloads
             dist.barrier()
         folder = ensure_cifar10(args.data_dir)
@@ -1533,9 +1444,8 @@ class Job:
         n_train = len(self.data['train_images'])
         self.identity = dict(  # what the header, --resume and --compare read
             script_sha256=script_sha256, torch=torch.__version__,
-            device=device_description(device), ranks=self.batch_ranks, dtype=str(self.dtype),
-            compile=self.compile_mode, hyperparameters=hyp, seed=args.seed,
-            flops=count_flops(hyp, n_train), peak_tflops=peak_tflops(device, self.dtype),
+            device=device_description(device), dtype=str(self.dtype), compile=self.compile_mode,
+            hyperparameters=hyp, seed=args.seed, flops=count_flops(hyp, n_train),
             data=data['provenance'], data_digest=data['digest'], train_images=n_train,
             test_images=len(self.data['test_images']))
         if resumed:
@@ -1548,10 +1458,10 @@ class Job:
             self.runs, self.runs_resumed = resumed['runs'], len(resumed['runs'])
 
     def run_all(self):
-        """The header, the runs read back, the warm-up, then the missing runs: one at a time, or
-        with --spread runs, one run per rank in each round."""
+        """The header, the runs read back, the warm-up, then the missing runs, in rounds of one run
+        per rank."""
         args, log = self.args, self.log
-        log('\n'.join(header_lines(self.identity, self.world, self.spread)))
+        log('\n'.join(header_lines(self.identity, self.world)))
         if self.runs:
             log(f'\n{len(self.runs)} run(s) read back from {args.resume}')
         missing = sorted(set(range(1, args.runs + 1)) - {run['run'] for run in self.runs})
@@ -1559,21 +1469,18 @@ class Job:
             return
         compiling = 'compilation, then ' if self.compile_mode else ''
         log(f'\n{compiling}warm-up: untimed runs of 2 steps take the one-off costs', flush=True)
-        rank_in_batch = 0 if self.spread else self.rank
         with torch_settings(self.device, self.compile_mode):
             self.trainer = trainer_for(self.data, self.hyp, self.device, self.dtype,
-                                       self.compile_mode, log, rank_in_batch, self.batch_ranks)
+                                       self.compile_mode, log)
             self.test_set = upload_test_set(self.data, self.trainer)
             self.started = time.perf_counter()
-            self.round_size = self.world if self.spread else 1
-            this_rank = self.rank if self.spread else 0  # its run in each round
-            for first in range(0, len(missing), self.round_size):
-                runs = missing[first:first + self.round_size]
+            for first in range(0, len(missing), self.world):
+                runs = missing[first:first + self.world]
                 record = None
-                if this_rank < len(runs):  # a spread job's last round may leave ranks idle
-                    record = self.run_one(runs[this_rank])
+                if self.rank < len(runs):  # the last round may leave ranks idle
+                    record = self.run_one(runs[self.rank])
                 records = [record]
-                if self.spread:  # every rank's run of the round, to every rank
+                if self.world > 1:  # every rank's run of the round, to every rank
                     records = [None] * self.world
                     try:
                         dist.all_gather_object(records, record)
@@ -1582,11 +1489,11 @@ class Job:
                 self.record_runs([r for r in records if r], saved=record)
 
     def run_one(self, run):
-        """Train one run, printing its rows as they come (a spread job prints them in
-        record_runs), and return its record."""
+        """Train one run, printing its rows as they come (under torchrun, record_runs prints
+        them), and return its record."""
         seed = self.args.seed + run - 1
         on_epoch = print_nothing
-        if not self.spread:
+        if self.world == 1:
             on_epoch = table_printer(self.log, run, self.args.runs, seed)
         rows = train_run(self.data, self.test_set, self.trainer, self.hyp, seed, on_epoch)
         return dict(run=run, seed=seed, failed=diverged(rows), rows=rows,
@@ -1611,22 +1518,21 @@ class Job:
             model = trained_model(self.trainer, self.hyp, self.data)
             save_model(model, self.args.save, run=saved['run'], seed=saved['seed'],
                        accuracy=saved['accuracy'])
-        if self.spread:  # the round's tables, whole, from rank 0
+        if self.world > 1:  # the round's tables, whole, from rank 0
             for run in records:
                 print_row = table_printer(self.log, run['run'], self.args.runs, run['seed'])
                 for row in run['rows']:
                     print_row(row)
         per_run = (self.kept_at - self.started) / (len(runs) - self.runs_resumed)  # ranks at once
         left = self.args.runs - len(runs)
-        if left and per_run * self.round_size > 60:
+        if left and per_run * self.world > 60:
             end = datetime.datetime.now() + datetime.timedelta(seconds=per_run * left)
             self.log(f'\n{left} run(s) left, {per_run / 60:.1f} min each: the job should end '
                      f'at about {end:%H:%M on %a %d %b}', flush=True)
 
     def summary(self, runs):
         """The summary of runs (read back too), and the pace of those trained here."""
-        summary = summarize(runs, self.identity['flops']['run'], self.identity['peak_tflops'],
-                            self.batch_ranks, self.hyp)
+        summary = summarize(runs, self.identity['flops']['run'], self.hyp)
         trained = len(runs) - self.runs_resumed
         if trained:
             summary.update(trained=trained, wall_s=self.kept_at - self.started, ranks=self.world)
@@ -1638,8 +1544,6 @@ class Job:
         ignored = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             if dist.is_initialized():  # now, since gloo's threads abort in Python's shutdown
-                self.trainer = None  # its DDP wrapper holds the process group
-                TRAINERS.clear()
                 dist.destroy_process_group()
             if status == 130:
                 then = f'; --resume {self.path} goes on' if self.runs and self.path else ''
@@ -1673,7 +1577,7 @@ def main(argv=None):
     status = 0
     try:
         if args.compare:  # trains nothing: print the comparison of the jobs
-            check_options(args, HYP, 1)  # --plot's path
+            check_options(args, HYP)  # --plot's path
             print('\n'.join(compare_lines(args.compare, args.plot)))
             return 0
         job.set_up()
@@ -1682,7 +1586,7 @@ def main(argv=None):
         rank = f' (rank {job.rank})' if job.world > 1 else ''
         print(f'error{rank}: {e}', file=sys.stderr)
         status = 1
-    except KeyboardInterrupt:  # Ctrl-C, or torchrun stopping a spread job
+    except KeyboardInterrupt:  # Ctrl-C, or torchrun stopping the job
         status = 130
     finally:
         status = job.end(status)
