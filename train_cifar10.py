@@ -122,7 +122,7 @@ def augmented_epoch(padded, labels, hyp, generator, layout):
 
 # ==== 2. The network: whitening, ghost batch norm, ResNet9, its flip-TTA forward ===============
 def at_least_fp32(dtype):
-    """fp32 for fp16 and bf16, else dtype itself (float64 stays), as to_training_precision says."""
+    """fp32 for fp16, else dtype itself (float64 stays), as to_training_precision says."""
     return torch.promote_types(dtype, torch.float32)
 
 
@@ -277,12 +277,12 @@ def to_training_precision(model, dtype, device='cpu', layout=torch.contiguous_fo
     precision of each part, in training and evaluation alike (dtype is fp16 on CUDA, fp32 on a CPU):
       dtype  convolutions, pooling, CELU and the head: nearly all the FLOPs, on tensor cores
       fp32   batch norm, which divides by a variance of small differences
-      fp32   the whitened prep conv, whose 1x1 weights' gradient is off by up to 2 % in fp16
-             (30 % in bf16), because the whitening's small-eigenvalue directions cancel most of it
+      fp32   the whitened prep conv, whose 1x1 weights' gradient is off by up to 2 % in fp16,
+             because the whitening's small-eigenvalue directions cancel most of it
       fp32   the loss (summed_loss, evaluate), a log of a sum of exponentials
-      fp32   the EMA's average and the optimiser's copies of bf16 weights, because bf16 would round
-             a decay step (5e-4 of a weight) away; fp16 weights are updated in place, as Page's
-    The harness turns TF32 off, so that fp32 is fp32 on every GPU."""
+      fp32   the EMA's average, whose small steps fp16 would round away
+    The weights themselves are updated in fp16, as Page's are. The harness turns TF32 off, so that
+    fp32 is fp32 on every GPU."""
     model.to(device, dtype, memory_format=layout)
     for module in model.modules():
         if isinstance(module, nn.BatchNorm2d):
@@ -311,41 +311,31 @@ class Nesterov:
     enters the momentum buffer v:  dw = -lr_t (g + wd w);  v <- m v + dw;  w <- w + dw + m v.
     torch.optim.SGD applies the current rate to the whole buffer instead, so that its steps would be
     up to 45 % larger while the rate rises. As in Page's code, dw is the gradient itself, updated
-    in place. bf16 weights step through fp32 copies (masters); other weights are their own."""
+    in place."""
 
     def __init__(self, groups, momentum):
-        self.momentum, self.groups = momentum, []
-        self.masters = {}  # the tensor each weight's update is applied to
-        for group in groups:
-            params = list(group['params'])
-            bf16 = [p.dtype == torch.bfloat16 for p in params]
-            masters = [p.detach().float() if low else p.detach() for p, low in zip(params, bf16)]
-            self.masters.update(zip(params, masters))
-            self.groups.append(dict(group, params=params, masters=masters,
-                                    velocities=[torch.zeros_like(w) for w in masters],
-                                    bf16_params=[p for p, low in zip(params, bf16) if low],
-                                    bf16_masters=[w for w, low in zip(masters, bf16) if low]))
+        self.momentum = momentum
+        self.groups = [dict(group, params=list(group['params'])) for group in groups]
+        for g in self.groups:
+            g['velocities'] = [torch.zeros_like(p) for p in g['params']]
 
     @torch.no_grad()
     def step(self, lr):
         """One update at the schedule's value lr, times each group's lr_scale."""
         m = self.momentum
         for g in self.groups:
-            dw = [p.grad.to(w.dtype) for p, w in zip(g['params'], g['masters'])]  # bf16's: copies
-            torch._foreach_add_(dw, g['masters'], alpha=g['weight_decay'])
+            dw = [p.grad for p in g['params']]
+            torch._foreach_add_(dw, g['params'], alpha=g['weight_decay'])
             torch._foreach_mul_(dw, -lr * g['lr_scale'])
             torch._foreach_mul_(g['velocities'], m)
             torch._foreach_add_(g['velocities'], dw)
             torch._foreach_add_(dw, g['velocities'], alpha=m)
-            torch._foreach_add_(g['masters'], dw)
-            if g['bf16_params']:
-                torch._foreach_copy_(g['bf16_params'], g['bf16_masters'])
+            torch._foreach_add_(g['params'], dw)
 
 
 def optimiser(model, hyp):
     """Page's two groups: the batch-norm biases, with bias_lr_scale, and every other trainable
-    weight. An optimiser put in its place needs step(lr) after each backward of the summed loss,
-    and masters, {weight: the tensor its update is applied to}, for the EMA."""
+    weight. An optimiser put in its place needs step(lr) after each backward of the summed loss."""
     norm_biases = {id(m.bias) for m in model.modules() if isinstance(m, nn.BatchNorm2d)}
     trainable = [p for p in model.parameters() if p.requires_grad]
     biases = [p for p in trainable if id(p) in norm_biases]
@@ -355,15 +345,12 @@ def optimiser(model, hyp):
                      dict(params=biases, lr_scale=k / b, weight_decay=wd * b / k)], hyp['momentum'])
 
 
-def averaged_tensors(model, masters=None):
+def averaged_tensors(model):
     """What the EMA (exponential moving average) averages: every floating-point weight and batch
-    norm statistic, or the optimiser's master copy of a weight where it keeps one, so that bf16's
-    fp32 copies are averaged rather than their rounding. Page 8: a high rate travels far but ends
-    noisy. An average of the last 100 or so steps sits nearer the minimum than any one of them, so
-    the rate need not fall to 0 (94.1 -> 94.3 %)."""
-    masters = masters or {}
-    tensors = [*model.parameters(), *model.buffers()]
-    return [masters.get(t, t) for t in tensors if t.is_floating_point()]
+    norm statistic. Page 8: a high rate travels far but ends noisy. An average of the last 100 or
+    so steps sits nearer the minimum than any one of them, so the rate need not fall to 0
+    (94.1 -> 94.3 %)."""
+    return [t for t in (*model.parameters(), *model.buffers()) if t.is_floating_point()]
 
 
 @torch.no_grad()
@@ -402,6 +389,7 @@ class Trainer:
         self.eval_network = network(dtype).eval().requires_grad_(False)
         self.ema = network(at_least_fp32(dtype)).eval().requires_grad_(False)
         self.ema_tensors = averaged_tensors(self.ema)  # each list made once, for one call each
+        self.trained_tensors = averaged_tensors(self.network)
         self.eval_tensors = averaged_tensors(self.eval_network)
         norms = [m for m in self.network.modules() if isinstance(m, nn.BatchNorm2d)]
         self.batch_norm_statistics = [t for m in norms for t in (m.running_mean, m.running_var)]
@@ -432,7 +420,6 @@ class Trainer:
                 module.whitening.copy_(whitening)
         self.network.load_state_dict(self.ema.state_dict())  # in the network's dtype and layout
         self.optimiser = optimiser(self.network, hyp)
-        self.trained_tensors = averaged_tensors(self.network, self.optimiser.masters)
 
 
 def train_epoch(trainer, images, labels, rates, hyp):
@@ -548,9 +535,9 @@ def train_run(data, test_set, trainer, hyp, seed, on_epoch, steps_per_epoch=None
 # line. It changes no number that a run computes.
 # #############################################################################################
 
-import argparse, codecs, contextlib, datetime, difflib, hashlib, http.client, importlib.util, io
-import json, numbers, os, pickle, platform, shutil, signal, sys, tarfile, tempfile, textwrap
-import urllib.request
+import argparse, codecs, contextlib, datetime, difflib, hashlib, http.client, importlib, io
+import importlib.util, json, numbers, os, pickle, platform, shutil, signal, sys, tarfile
+import tempfile, textwrap, urllib.request
 from pathlib import Path
 
 import torch.distributed as dist
@@ -714,7 +701,7 @@ def pick_dtype(name, device):
     fp16, slowly)."""
     if name == 'auto':
         name = 'fp16' if device.type == 'cuda' else 'fp32'
-    return dict(fp16=torch.float16, bf16=torch.bfloat16, fp32=torch.float32)[name]
+    return dict(fp16=torch.float16, fp32=torch.float32)[name]
 
 
 def pick_compile_mode(option, device, tiny=False):
@@ -950,8 +937,8 @@ def evaluation_label(hyp):
 
 def header_lines(job, world=1):
     """A log's lines before its first row: the script's version, the device, the settings and the
-    FLOPs. job holds Job.identity; world is the number of torchrun's ranks."""
-    hyp, flops, device = job['hyperparameters'], job['flops'], job['device']
+    data. job holds Job.identity; world is the number of torchrun's ranks."""
+    hyp, device = job['hyperparameters'], job['device']
     if world > 1:
         device += f' | {world} ranks, each training whole runs'
     settings = ', '.join(f'{k}={v}' for k, v in hyp.items())
@@ -962,15 +949,12 @@ def header_lines(job, world=1):
             *textwrap.wrap(f'hyperparameters: {settings}', 100, subsequent_indent='    ',
                            break_long_words=False),
             f"data: {job['data']} (files' digest {job['data_digest']})",
-            f"model FLOPs: {flops['step'] / 1e12:.4g} TFLOP per training step x {flops['steps']} "
-            f"steps = {flops['run'] / 1e12:.4g} TFLOP per run",
             f'valid = accuracy ({evaluation_label(hyp)}) and label-smoothed loss; total time = '
             'preprocessing + training (DAWNBench rule: validation excluded, after a warm-up)']
 
 
-def summarize(runs, flops=None, hyp=HYP):
-    """Statistics of the finished runs; failed runs are counted but not averaged. With a run's
-    flops, the summary has the rate of model FLOPs."""
+def summarize(runs, hyp=HYP):
+    """Statistics of the finished runs; failed runs are counted but not averaged."""
     finished = [r for r in runs if not r['failed']]
     summary = dict(runs=len(runs), finished=len(finished), failed=len(runs) - len(finished))
     if not finished:
@@ -989,13 +973,11 @@ def summarize(runs, flops=None, hyp=HYP):
         low, high = acc.mean() - half_width, acc.mean() + half_width
         summary['acc_ci95'] = (max(low, 0.0), min(high, 1.0))  # an accuracy lies in 0-1
         summary['acc_ci95_clipped'] = not 0 <= low <= high <= 1
-    if flops:
-        summary['tflops_per_s'] = flops / 1e12 / times.mean()
     return summary  # numpy's floats are Python floats, for json too
 
 
 def summary_lines(summary):
-    """The log's last lines: the runs, their accuracy and time, the job's pace and its FLOPs."""
+    """The log's last lines: the runs, their accuracy and time, and the job's pace."""
     def percent(*keys):
         return ' / '.join(f'{100 * summary[key]:.2f}' for key in keys)
     finished = summary['finished']
@@ -1023,10 +1005,6 @@ def summary_lines(summary):
         ranks = f" over {summary['ranks']} ranks" if summary['ranks'] > 1 else ''
         lines.append(f"job: {ran} run{'s' * (ran != 1)} in {summary['wall_s']:.1f} s of wall time "
                      f"after the warm-up{ranks}, {3600 * ran / summary['wall_s']:.0f} runs per hour")
-    if 'tflops_per_s' in summary:
-        rate = summary['tflops_per_s']
-        rate = f'{rate:.2f} TFLOP/s' if rate >= 1 else f'{1000 * rate:.3g} GFLOP/s'
-        lines.append(f'achieved: {rate} of model FLOPs per run')
     return lines
 
 
@@ -1069,19 +1047,6 @@ def device_description(device):
     kernels = torch.backends.cpu.get_cpu_capability()  # they round differently, so runs differ
     threads = torch.get_num_threads()
     return f"CPU ({platform.machine()}, {kernels} kernels, {threads} thread{'s' * (threads != 1)})"
-
-
-def count_flops(hyp, n_train):
-    """A run's model FLOPs: a training step's, as torch counts them on the meta device, times the
-    steps. The whitening's, 0.001 % of them, are left out."""
-    from torch.utils.flop_counter import FlopCounterMode
-    n = hyp['batch_size']
-    with torch.device('meta'), FlopCounterMode(display=False) as counter:
-        net = ResNet9(hyp)
-        images, labels = torch.zeros(n, 3, 32, 32), torch.zeros(n, dtype=torch.long)
-        summed_loss(net, images, labels, hyp['label_smoothing'])[0].backward()
-    steps = hyp['epochs'] * (n_train // n)
-    return dict(step=counter.get_total_flops(), steps=steps, run=steps * counter.get_total_flops())
 
 
 # ==== Statistics: the t distribution, Welch's comparison, what a comparison can resolve ========
@@ -1348,7 +1313,7 @@ def parse_args(argv, defaults=None):
     add('--seed', type=int, default=0, help='seed of the first run (default: 0)')
     add('--data-dir', default='./data', help=f'holds {BATCHES_DIR}/, or will (default: ./data)')
     add('--device', default='auto', help='auto (cuda, mps, cpu), cuda, cuda:N, mps or cpu')
-    add('--dtype', default='auto', choices=['auto', 'fp16', 'bf16', 'fp32'],
+    add('--dtype', default='auto', choices=['auto', 'fp16', 'fp32'],
         help='auto: fp16 on cuda, else fp32')
     add('--tiny', action='store_true', help='an install check: a subset, a narrow net, seconds')
     add('--json', metavar='PATH', help="write the job: every run's rows, the summary, the script")
@@ -1425,9 +1390,9 @@ class Job:
         if self.world > 1:  # gloo gathers the finished runs, waiting up to a week for the slowest
             if device.type == 'cuda':
                 torch.cuda.set_device(device)
-            # Imported later, torch.distributed.nn's defaults would hold the group, whose gloo
+            # Imported after it, torch.distributed.nn's defaults would hold the group, whose gloo
             # threads would then outlive it and abort in Python's shutdown.
-            import torch.distributed.nn  # noqa: F401
+            importlib.import_module('torch.distributed.nn')
             dist.init_process_group('gloo', timeout=datetime.timedelta(days=7))
             signal.signal(signal.SIGTERM, signal.default_int_handler)  # torchrun's stop, as Ctrl-C
         if self.world > 1 and self.local_rank != 0:  # one rank per machine downloads
@@ -1445,8 +1410,8 @@ class Job:
         self.identity = dict(  # what the header, --resume and --compare read
             script_sha256=script_sha256, torch=torch.__version__,
             device=device_description(device), dtype=str(self.dtype), compile=self.compile_mode,
-            hyperparameters=hyp, seed=args.seed, flops=count_flops(hyp, n_train),
-            data=data['provenance'], data_digest=data['digest'], train_images=n_train,
+            hyperparameters=hyp, seed=args.seed, data=data['provenance'],
+            data_digest=data['digest'], train_images=n_train,
             test_images=len(self.data['test_images']))
         if resumed:
             differences = job_differences(resumed, json_ready(self.identity))
@@ -1532,7 +1497,7 @@ class Job:
 
     def summary(self, runs):
         """The summary of runs (read back too), and the pace of those trained here."""
-        summary = summarize(runs, self.identity['flops']['run'], self.hyp)
+        summary = summarize(runs, self.hyp)
         trained = len(runs) - self.runs_resumed
         if trained:
             summary.update(trained=trained, wall_s=self.kept_at - self.started, ranks=self.world)
