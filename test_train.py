@@ -41,8 +41,8 @@ SCRIPT = Path(__file__).resolve().parent / 'train_cifar10.py'
 
 torch.set_num_threads(2)
 
-# All that the suite writes, that of its subprocesses included (torchrun's torchelastic_* folders,
-# torch.compile's cache, pytest's tmp_path), goes into one folder, removed when the suite ends:
+# All that the suite writes, that of its subprocesses included (torch.compile's cache, pytest's
+# tmp_path), goes into one folder, removed when the suite ends:
 # the temporary directory is left as it was found.
 SCRATCH = Path(tempfile.mkdtemp(prefix='test_train_'))
 os.environ['TMPDIR'] = str(SCRATCH)
@@ -881,7 +881,7 @@ def test_a_summary_gives_the_interval_clipped_to_0_100_where_its_runs_are_too_fe
     half = 12.706205 * np.std([52, 61], ddof=1) / math.sqrt(2)
     assert np.multiply(summary['acc_ci95'], 100) == pytest.approx([0, 100]) and 56.5 + half > 100
     assert summary['acc_ci95_clipped'] and 56.5 - half < 0
-    summary.update(trained=1, wall_s=2.0, ranks=1)
+    summary.update(trained=1, wall_s=2.0)
     lines = T.summary_lines(summary)
     assert '95% confidence interval of the mean: [0.00, 100.00] % (clipped to 0-100 %: too few runs)' in lines
     assert 'job: 1 run in 2.0 s of wall time after the warm-up, 1800 runs per hour' in lines
@@ -1160,16 +1160,13 @@ def test_unwritable_data_dir_is_refused(tmp_path, capsys):
     assert re.search(r'data \(is that path right\?\), nor from .*Not a directory', capsys.readouterr().err)
 
 
-def test_devices_under_torchrun_on_a_machine_with_two_gpus(monkeypatch):
-    """auto takes the accelerator; a rank the GPU of its LOCAL_RANK. Each device is probed
-    (torch.empty), here by a stand-in that makes the CPU take the two GPUs for real ones."""
-    monkeypatch.setattr(torch.cuda, 'device_count', lambda: 2)
+def test_auto_takes_the_accelerator_and_probes_it(monkeypatch):
+    """Each device is probed (torch.empty), here by a stand-in that makes the CPU take a GPU for a real one."""
     monkeypatch.setattr(torch.accelerator, 'current_accelerator', lambda check_available: torch.device('cuda'))
     probed = []
     monkeypatch.setattr(torch, 'empty', lambda size, device: probed.append(device))
-    assert T.pick_device('auto') == torch.device('cuda') and T.pick_device('cpu', 1) == torch.device('cpu')
-    assert [T.pick_device('auto', rank) for rank in (0, 1)] == [torch.device('cuda', i) for i in (0, 1)]
-    assert probed[-1] == torch.device('cuda', 1)
+    assert T.pick_device('auto') == torch.device('cuda') and T.pick_device('cpu') == torch.device('cpu')
+    assert probed == [torch.device('cuda'), torch.device('cpu')]
 
 
 @pytest.mark.parametrize('name', ['tpu', 'cuda:x', 'cuda:7', 'mps'])
@@ -1575,11 +1572,11 @@ def test_bad_input_to_train_is_one_error_naming_it(dataset, monkeypatch, change,
     ({'lr': 0.1}, 'hyp: lr: no such hyperparameter (HYP lists them)'),
     ({'label_smothing': 0.1}, 'hyp: label_smothing: no such hyperparameter, did you mean label_smoothing? (HYP lists'),
     ({'epochs': 0}, 'hyp: epochs=0: must be a finite number of at least 1'),
-    ({'epochs': 2.5}, 'hyp: epochs=2.5: must be an integer'),
+    ({'epochs': 2.5}, 'hyp: epochs=2.5: must be an integer, as epochs=10'),
     ({'epochs': True}, 'hyp: epochs=True: must be an integer'),
     ({'lr_peak': '0.5'}, "hyp: lr_peak='0.5': must be a number"),
-    ({'flip_tta': 1}, 'hyp: flip_tta=1: must be bool'),
-    ({'channels': (8, 16)}, 'hyp: channels=(8, 16): must be 4 integers, as 64,128,256,512'),
+    ({'flip_tta': 1}, 'hyp: flip_tta=1: must be True or False, as flip_tta=True'),
+    ({'channels': (8, 16)}, 'hyp: channels=(8, 16): must be 4 integers, as channels=64,128,256,512'),
     ({'channels': (8, 16, 32, 64.0)}, 'hyp: channels=(8, 16, 32, 64.0): must be 4 integers'),
 ])
 def test_a_hyperparameter_of_the_wrong_name_or_type_is_one_error_naming_it(dataset, monkeypatch, hyp, why):
@@ -1709,15 +1706,16 @@ def test_ctrl_c_at_any_stage_ends_cleanly(dataset, tmp_path, monkeypatch, capsys
 
 
 def test_ctrl_c_as_a_finished_job_ends_changes_nothing(finished_job, tmp_path, monkeypatch, capsys):
-    """Ctrl-C after the last run, while the process group is left (seconds under NCCL): the summary
-    and status 0, no traceback, the file as it was."""
+    """Ctrl-C after the last run, while the summary is made: the summary and status 0, no
+    traceback, the file as it was."""
     (source, text), options = copy_of(finished_job[0], tmp_path), finished_job[1]
     no_training(monkeypatch)
+    real = T.summary_lines
 
-    def interrupted_leave():                                      # where the job asks whether to leave a group
+    def interrupted_summary(summary):                             # where the job ends
         signal.raise_signal(signal.SIGINT)                        # returns once its handler has run
-        return False
-    monkeypatch.setattr(T.dist, 'is_initialized', interrupted_leave)
+        return real(summary)
+    monkeypatch.setattr(T, 'summary_lines', interrupted_summary)
     before = signal.signal(signal.SIGINT, signal.default_int_handler)   # ignored in a shell's `&` job
     try:
         assert T.main([*options, '--runs', '2', '--resume', str(source)]) == 0
@@ -1945,28 +1943,6 @@ def test_resume_of_a_finished_job_prints_its_tables_and_summary_and_trains_nothi
     assert drawn == [(str(tmp_path / 'a.png'), runs)]
 
 
-@pytest.fixture
-def rank_0_of_2(monkeypatch):
-    """This process as rank 0 of 2, as torchrun starts it, its process group stubbed (rank 1 idle);
-    the SIGTERM handler a rank sets is put back after."""
-    for name, value in (('RANK', 0), ('LOCAL_RANK', 0), ('WORLD_SIZE', 2)):
-        monkeypatch.setenv(name, str(value))
-    monkeypatch.setattr(T.dist, 'init_process_group', lambda *args, **kwargs: None)
-    monkeypatch.setattr(T.dist, 'barrier', lambda *args, **kwargs: None)
-    monkeypatch.setattr(T.dist, 'all_gather_object', lambda records, record: records.__setitem__(
-        slice(None), [record, None]))                             # rank 1: no run in the round
-    sigterm = signal.getsignal(signal.SIGTERM)
-    yield
-    signal.signal(signal.SIGTERM, sigterm)
-
-
-def test_a_rank_needs_no_json(dataset, monkeypatch, capsys, rank_0_of_2):
-    """Rank 0 of 2 (rank 1 stubbed) trains run 1 and prints it."""
-    assert T.main(['--tiny', '--epochs', '1', '--data-dir', str(dataset)]) == 0
-    out = capsys.readouterr().out
-    assert '2 ranks, each training whole runs' in out and out.count('run 1/1 (seed 0)') == 1
-
-
 def test_resume_rewrites_its_own_files_and_no_other(finished_job, tmp_path, monkeypatch, capsys):
     """A resumed job rewrites the --save its file names; any other file that exists is refused, as
     for a new job."""
@@ -2034,7 +2010,7 @@ def test_set_changes_any_hyperparameter_and_resume_and_compare_carry_it(finished
     ('=3', 1, "error: --set '=3': no such hyperparameter (HYP lists them)\n"),
     ('ema_every=2.5', 1, "error: --set 'ema_every=2.5': not NAME=VALUE as ema_every=5\n"),
     ('channels=8,x,32,64', 1, "error: --set 'channels=8,x,32,64': not NAME=VALUE as channels=64,128,256,512\n"),
-    ('channels=8,16', 1, "error: --set channels=(8, 16): must be 4 integers, as 64,128,256,512\n"),
+    ('channels=8,16', 1, "error: --set channels=(8, 16): must be 4 integers, as channels=64,128,256,512\n"),
     ('label_smoothing', 1, "error: --set 'label_smoothing': not NAME=VALUE as label_smoothing=0.2\n"),  # a space for =
     ('flip_tta=false', 1, "error: --set 'flip_tta=false': not NAME=VALUE as flip_tta=True\n"),
     ('bn_scale_frozen=1', 1, "error: --set 'bn_scale_frozen=1': not NAME=VALUE as bn_scale_frozen=True\n"),
@@ -2818,74 +2794,11 @@ def test_real_copy_has_the_official_counts():
 
 
 # ---------------------------------------------------------------------------------------------
-# torchrun: each rank trains whole runs, on the CPU with gloo
+# The runs of a job in one process, to compare with a job that was stopped and resumed
 # ---------------------------------------------------------------------------------------------
-def torchrun(*args, nproc=2):
-    return finished(subprocess.Popen([sys.executable, '-m', 'torch.distributed.run', '--standalone',
-                                      f'--nproc_per_node={nproc}', *map(str, args)],
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-
-
-def finished(job):
-    """The CompletedProcess of a torchrun job, once it ends, however long a loaded machine takes; at
-    a Ctrl-C it is stopped, ranks and all. (subprocess.run would kill torchrun alone, then wait for
-    ever on the output pipes that its ranks hold.)"""
-    try:
-        out, err = job.communicate()
-    finally:
-        stop_torchrun(job)
-    return subprocess.CompletedProcess(job.args, job.returncode, out, err)
-
-
-COUNTS_THREADS = """
-import json, os, sys
-sys.path.insert(0, {repo!r})
-import train_cifar10 as T
-counts = []
-def counted(function):  # writes this process's number of threads before and after each call
-    if not os.path.isdir('/proc/self/task'):  # Linux lists them there
-        return function
-    def call(*args, **kwargs):
-        before = len(os.listdir('/proc/self/task'))
-        function(*args, **kwargs)
-        counts.append((before, len(os.listdir('/proc/self/task'))))
-        open(os.path.join({out!r}, f"threads_{{os.environ['RANK']}}.json"), 'w').write(json.dumps(counts))
-    return call
-T.dist.init_process_group = counted(T.dist.init_process_group)
-T.dist.destroy_process_group = counted(T.dist.destroy_process_group)
-"""
-
-
-def assert_gloo_threads_joined(counts_file):
-    """Leaving the process group stopped as many threads as joining it started: gloo's, which only
-    newer torch names. COUNTS_THREADS counts them where Linux lists them, in /proc."""
-    if Path('/proc/self/task').is_dir():
-        (join_before, join_after), (leave_before, leave_after) = json.loads(counts_file.read_text())
-        assert join_after > join_before and leave_before - leave_after == join_after - join_before
-
-
-def test_two_ranks_print_each_table_once_and_rank_0_writes_the_files(dataset, tmp_path):
-    """Two ranks train a run each; rank 0 prints both tables and the summary and writes the files.
-    Also: main leaves no gloo thread running for Python's shutdown (destroy_process_group)."""
-    pytest.importorskip('matplotlib')                            # --plot's; CI installs it
-    script = tmp_path / 'counts_threads.py'
-    script.write_text(COUNTS_THREADS.format(repo=str(SCRIPT.parent), out=str(tmp_path)) + 'sys.exit(T.main())\n')
-    result = torchrun(script, '--tiny', '--epochs', '1', '--runs', '2', '--data-dir', dataset, '--json',
-                      tmp_path / 'r.json', '--plot', tmp_path / 'r.png', '--save', tmp_path / 'ema.pt')
-    assert result.returncode == 0, result.stderr
-    for rank in (0, 1):
-        assert_gloo_threads_joined(tmp_path / f'threads_{rank}.json')
-    out = result.stdout
-    assert '2 ranks, each training whole runs' in out
-    assert out.count(T.table_line(T.COLUMNS)) == 2 and out.count('run 2/2') == 1 and out.count('time per run') == 1
-    report = json.loads((tmp_path / 'r.json').read_text())
-    assert [len(run['rows']) for run in report['runs']] == [1, 1]
-    assert png_size(tmp_path / 'r.png') == ONE_JOB_PNG and T.load_model(tmp_path / 'ema.pt').hyp['epochs'] == 1
-
-
 @contextlib.contextmanager
 def one_thread():
-    """torch's threads set to 1 for a block, as torchrun sets them for each rank (OMP_NUM_THREADS=1)."""
+    """torch's threads set to 1 for a block, as OMP_NUM_THREADS=1 sets them for a process."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -2894,159 +2807,13 @@ def one_thread():
         torch.set_num_threads(threads)
 
 
-SPREAD = ['--tiny', '--epochs', '1', '--runs', '4']
-
-
-def spread_job(dataset, folder, *args, nproc=2, wait=True):
-    """torchrun's ranks training whole runs of a 4-run --tiny job of one epoch, writing into folder
-    (--json, --plot, --save); the finished process, or the started one if not wait."""
-    command = [sys.executable, '-m', 'torch.distributed.run', '--standalone', f'--nproc_per_node={nproc}',
-               str(SCRIPT), *SPREAD, '--data-dir', str(dataset), '--plot',
-               str(folder / 'r.png'), '--save', str(folder / 'ema.pt'), *map(str, args)]
-    job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                           start_new_session=True)                  # a group, as a terminal's job
-    return finished(job) if wait else job
-
-
-def stop_torchrun(job):
-    """Stop a torchrun job that is still running, and reap it: on SIGTERM torchrun stops its ranks,
-    which a signal to its process group would not reach (each rank has a session of its own)."""
-    if job.poll() is None:
-        job.terminate()
-        job.communicate(timeout=60)                                 # the ranks' ends of the pipes close
-
-
-def wait_for_a_run(path, job):
-    """Until the job's --json file holds a finished run: a spread job's rank 0 prints a run's table
-    once its files hold the run (the job's end, first, fails the test)."""
-    for line in job.stdout:
-        if re.match(r'run \d+/\d+ \(seed \d+\)', line):
-            break
-    assert path.exists() and json.loads(path.read_text())['runs'], 'no run finished'
-
-
 @pytest.fixture(scope='module')
 def one_process_job(dataset, tmp_path_factory):
-    """The same job in one process, one thread (as torchrun gives each rank): the runs to expect."""
+    """A 4-run --tiny job of one epoch in one process, one thread: the runs to expect."""
     path = tmp_path_factory.mktemp('one') / 'r.json'
     with one_thread(), contextlib.redirect_stdout(io.StringIO()):
-        assert T.main([*SPREAD, '--data-dir', str(dataset), '--json', str(path)]) == 0
+        assert T.main(['--tiny', '--epochs', '1', '--runs', '4', '--data-dir', str(dataset), '--json', str(path)]) == 0
     return T.read_job(path, '--json')
-
-
-def rank_process(parent, rank):
-    """The pid of torchrun's worker of that rank, found in /proc by its parent and RANK."""
-    for child in Path('/proc').iterdir():
-        try:
-            stat = (child / 'stat').read_text()
-            environ = (child / 'environ').read_bytes().split(b'\0')
-        except (OSError, ValueError):
-            continue
-        if child.name.isdigit() and int(stat.rsplit(')', 1)[1].split()[1]) == parent and f'RANK={rank}'.encode() in environ:
-            return int(child.name)
-    return None
-
-
-@pytest.mark.skipif(not Path('/proc/self/environ').exists(), reason='finds the rank to kill in /proc')
-def test_a_spread_job_that_loses_a_rank_resumes_in_one_process(dataset, tmp_path, one_process_job):
-    """SIGKILL to rank 1 once run 1 is on disk: torchrun stops the job, what rank 0 kept stays in the
-    job's file, and the job resumes in one process to the uninterrupted job's runs.
-    (test_spread_runs_train_the_runs_of_one_process_and_a_rank_that_fails_costs_only_its_run resumes one
-    on 2 ranks.)"""
-    path = tmp_path / 'r.json'
-    job = spread_job(dataset, tmp_path, '--json', path, wait=False)
-    try:
-        wait_for_a_run(path, job)
-        rank_1 = rank_process(job.pid, 1)
-        assert rank_1 is not None
-        os.kill(rank_1, signal.SIGKILL)
-        job.communicate()                                         # torchrun stops the job: its end, not a time
-    finally:
-        stop_torchrun(job)
-    assert job.returncode != 0
-    kept = T.read_job(path, '--json')['runs']
-    assert 1 <= len(kept) < 4
-    expected = [without_times(r) for r in one_process_job['runs']]
-    assert [without_times(r) for r in kept] == [e for e in expected if e['run'] in {r['run'] for r in kept}]
-    with one_thread():                                            # here, one thread as each rank had
-        assert T.main([*SPREAD, '--data-dir', str(dataset), '--resume', str(path)]) == 0
-    assert [without_times(r) for r in T.read_job(path, '--json')['runs']] == expected
-
-
-RANK_1_FAILS_IN_RUN_4 = """
-import json, os, sys, time
-from pathlib import Path
-sys.path.insert(0, {repo!r})
-import train_cifar10 as T
-rank = int(os.environ['RANK'])
-real, path = T.train_run, Path({path!r})
-failed = path.with_name('failed')
-def train_run(data, test_set, networks, hyp, seed, *args, **kwargs):
-    if rank == 1 and seed == 3 and not failed.exists():   # run 4 of the first job, once runs 1-2 are kept
-        while not (path.exists() and len(json.loads(path.read_text())['runs']) == 2):
-            time.sleep(0.1)
-        failed.touch()
-        raise RuntimeError('rank 1 fails in run 4')
-    return real(data, test_set, networks, hyp, seed, *args, **kwargs)
-T.train_run = train_run
-sys.exit(T.main())
-"""
-
-
-def test_spread_runs_train_the_runs_of_one_process_and_a_rank_that_fails_costs_only_its_run(dataset, tmp_path,
-                                                                                          one_process_job):
-    """In rounds of a run a rank, rank r trains runs r+1, r+1+N, ...; the round's end gathers them,
-    rank 0 keeps them and prints each table once. Rank 1 raises as its second run, run 4, starts,
-    once runs 1-2 are kept: rank 0's gather of round 2 fails and it stops as at Ctrl-C, runs 1-2
-    kept (run 3 lost with its round). Resumed on 2 ranks with a run more, runs 3 and 5 are rank 0's,
-    run 4 rank 1's. Every run's record is the one-process job's but for the clocks; the files are
-    whole, the runs in run order."""
-    pytest.importorskip('matplotlib')                            # --plot's; CI installs it
-    path, worker = tmp_path / 'r.json', tmp_path / 'worker.py'
-    worker.write_text(RANK_1_FAILS_IN_RUN_4.format(repo=str(SCRIPT.parent), path=str(path)))
-    result = torchrun(worker, *SPREAD, '--data-dir', dataset, '--json', path,
-                      '--plot', tmp_path / 'r.png', '--save', tmp_path / 'ema.pt')
-    assert result.returncode != 0 and 'RuntimeError: rank 1 fails in run 4' in result.stderr
-    assert '2 ranks, each training whole runs' in result.stdout
-    titles = [line for line in result.stdout.splitlines() if line.startswith('run ') and ' (seed ' in line]
-    assert titles == [f'run {k}/4 (seed {k - 1})' for k in (1, 2)]
-    assert [r['run'] for r in T.read_job(path, '--json')['runs']] == [1, 2]
-    assert png_size(tmp_path / 'r.png') == ONE_JOB_PNG
-    assert torch.load(tmp_path / 'ema.pt')['run'] == 1                       # rank 0's of the rounds kept
-    (tmp_path / 'r.png').unlink()                                           # drawn again, from 5 runs
-    resumed = torchrun(worker, '--resume', path, '--runs', '5', '--plot', tmp_path / 'r.png')   # 1 run more
-    assert resumed.returncode == 0, resumed.stderr
-    assert [resumed.stdout.count(f'run {k}/5 (seed {k - 1})') for k in (1, 2, 3, 4, 5)] == [0, 0, 1, 1, 1]
-    assert 'runs: 5 finished' in resumed.stdout
-    assert re.search(r'job: 3 runs in [\d.]+ s of wall time after the warm-up over 2 ranks, \d+ runs per hour',
-                     resumed.stdout)
-    job, one = T.read_job(path, '--json'), one_process_job
-    assert [without_times(r) for r in job['runs'][:4]] == [without_times(r) for r in one['runs']]
-    assert (job['runs'][4]['run'], job['runs'][4]['seed'], job['runs'][4]['failed']) == (5, 4, False)
-    def settings(job):                                            # options: --save, --plot, ...
-        return {k: v for k, v in job.items() if k not in ('runs', 'summary', 'options', 'runs_finished',
-                                                          'runs_requested')}
-    assert settings(job) == settings(one)                                # the same job
-    assert png_size(tmp_path / 'r.png') == ONE_JOB_PNG
-    assert torch.load(tmp_path / 'ema.pt')['run'] == 5                       # rank 0's: run 4 is rank 1's
-    assert [p.name for p in tmp_path.glob('.*')] == []                       # no rank file, no part left
-
-
-def test_ctrl_c_stops_every_rank_of_a_spread_job_with_its_runs_on_disk(dataset, tmp_path):
-    """Ctrl-C in a terminal signals the whole job, torchrun and each rank, and torchrun then sends
-    the ranks SIGTERM too: every rank stops without a traceback, the finished runs are on disk."""
-    path = tmp_path / 'r.json'
-    job = spread_job(dataset, tmp_path, '--json', path, '--runs', '40', wait=False)
-    try:
-        wait_for_a_run(path, job)
-        os.killpg(job.pid, signal.SIGINT)
-        out, err = job.communicate()                              # the job's end, not a time
-    finally:
-        stop_torchrun(job)
-    assert 'interrupted after ' in out and 'KeyboardInterrupt' not in err    # torchrun's own traceback aside
-    assert 'Traceback' not in out and not list(tmp_path.glob('.*.part'))    # no part left
-    runs = T.read_job(path, '--json')['runs']
-    assert 1 <= len(runs) < 40 and f'runs: {len(runs)} finished' in out
 
 
 # ---------------------------------------------------------------------------------------------

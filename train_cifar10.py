@@ -5,7 +5,6 @@
     python train_cifar10.py --resume a.json                       # the same job, resumed
     python train_cifar10.py --runs 50 --set label_smoothing=0.1 --json b.json    # a variant
     python train_cifar10.py --compare a.json b.json               # is the variant better?
-    torchrun --nproc_per_node=8 train_cifar10.py --runs 800 --json c.json   # a run per GPU at once
 
 The final recipe of David Page's "How to train your ResNet" (Myrtle.ai, 2018-19), 94.1% mean
 test accuracy in 10 epochs, 26 s on a V100: a ResNet9 that first whitens 3x3 patches, ghost batch
@@ -531,16 +530,13 @@ def train_run(data, test_set, trainer, hyp, seed, on_epoch, steps_per_epoch=None
 
 # #############################################################################################
 # Harness: what a run is given (device, dtype, compilation, --tiny's TINY), and all that is around
-# it: the download, torchrun, the Python entry, reporting, statistics, job files and the command
-# line. It changes no number that a run computes.
+# it: the download, the Python entry, reporting, statistics, job files and the command line. It
+# changes no number that a run computes.
 # #############################################################################################
 
-import argparse, codecs, contextlib, datetime, difflib, hashlib, http.client, importlib, io
-import importlib.util, json, numbers, os, pickle, platform, shutil, signal, sys, tarfile
-import tempfile, textwrap, urllib.request
+import argparse, codecs, contextlib, datetime, difflib, hashlib, http.client, importlib.util, io
+import json, os, pickle, platform, shutil, signal, sys, tarfile, tempfile, textwrap, urllib.request
 from pathlib import Path
-
-import torch.distributed as dist
 
 # --tiny runs the recipe narrow, on a subset, in seconds on 2 CPU cores. Its EMA momentum is 0.9,
 # because 0.99 would average over the last 100 or so steps, too many of its 184.
@@ -549,7 +545,11 @@ TINY = dict(epochs=4, batch_size=64, train_images=3000, test_images=500, channel
 
 
 def print_nothing(*args, **kwargs):
-    """Stands in for print on torchrun's ranks but 0, and in train() unless progress is asked."""
+    """Stands in for print in train(), unless progress is asked for."""
+
+
+class UserError(ValueError):
+    """A problem the user can fix: main prints the message on one line and exits non-zero."""
 
 
 # ==== Download and safe loading of CIFAR-10's files ============================================
@@ -564,14 +564,10 @@ OFFICIAL_MD5 = dict(zip(  # the five batch files of training images, then the te
      '482c414d41f54cd18b22e5b47d7c54d7', '40351d587109b95175f43aff81a1287e']))
 
 
-class UserError(ValueError):
-    """A problem the user can fix: main prints the message on one line and exits non-zero."""
-
-
 def ensure_cifar10(data_dir, url=None, md5=CIFAR10_MD5):
-    """The folder of the batch files, data_dir or its cifar-10-batches-py. If it is missing, it is
-    downloaded from url, else $CIFAR10_URL, else the official address, through a part file and a
-    staging folder, so that a download cut short leaves nothing that looks whole."""
+    """The folder of the batch files, data_dir or its cifar-10-batches-py, downloaded if missing
+    from url, else $CIFAR10_URL, else the official address. A download cut short leaves nothing
+    that looks whole: it goes through a part file and a staging folder."""
     data_dir, url = Path(data_dir), url or os.environ.get('CIFAR10_URL') or CIFAR10_URL
     if (data_dir / 'data_batch_1').is_file():
         return data_dir
@@ -605,7 +601,7 @@ def ensure_cifar10(data_dir, url=None, md5=CIFAR10_MD5):
 
 
 class BatchUnpickler(pickle.Unpickler):
-    """Reads a CIFAR-10 batch file, a pickle of numpy arrays. It is given only the few names such
+    """Reads a CIFAR-10 batch file, a pickle of numpy arrays. It is given only the names that such
     arrays need, so that a file made to run code when it is loaded runs none."""
     reconstruct = np.ndarray.__reduce__(np.zeros(0))[0]  # numpy's own, whatever its module's name
     NAMES = {('numpy.core.multiarray', '_reconstruct'): reconstruct,  # numpy 1's module name
@@ -620,8 +616,7 @@ class BatchUnpickler(pickle.Unpickler):
 
 
 def images_problem(images, labels=None):
-    """Why images are not uint8 N x 3 x 32 x 32 (N > 0), or labels not an integer 0-9 for each
-    image, or None."""
+    """Why images are not uint8 N x 3 x 32 x 32, N > 0, or labels not an integer 0-9 per image."""
     images = np.asarray(images)
     if not (images.dtype == np.uint8 and images.shape[1:] == (3, 32, 32) and len(images)):
         return f'not uint8 N x 3 x 32 x 32 images but {images.dtype} {images.shape}'
@@ -667,8 +662,7 @@ def load_cifar10(folder):
 
 
 def first_images(data, hyp):
-    """data's first hyp['train_images'] training images and hyp['test_images'] test images, and
-    their labels, as numpy arrays."""
+    """data's first hyp['train_images'] and hyp['test_images'], with their labels, as arrays."""
     data = {f'{kind}_{part}': np.asarray(data[f'{kind}_{part}'])[:hyp[f'{kind}_images']]
             for kind in ('train', 'test') for part in ('images', 'labels')}
     if len(data['train_images']) < hyp['batch_size']:
@@ -678,16 +672,13 @@ def first_images(data, hyp):
 
 
 # ==== Devices, precision and compilation =======================================================
-def pick_device(name, local_rank=None):
-    """The training device: the one named, or for auto the best there is. Under torchrun it is the
-    GPU of the rank's LOCAL_RANK."""
+def pick_device(name):
+    """The device named, or for auto the best there is."""
     if name == 'auto':
         accelerator = torch.accelerator.current_accelerator(check_available=True)  # None on a CPU
         name = 'cpu' if accelerator is None else accelerator.type
     try:
         device = torch.device(name)
-        if device.type == 'cuda' and local_rank is not None:
-            device = torch.device('cuda', local_rank)
         torch.empty(1, device=device)  # raises where torch cannot compute on it
     except (RuntimeError, AssertionError) as e:  # AssertionError: a torch built without CUDA
         why = str(e).strip().split('\n')[0]
@@ -697,17 +688,15 @@ def pick_device(name, local_rank=None):
 
 
 def pick_dtype(name, device):
-    """The training dtype: the one named, else fp16 on CUDA and fp32 elsewhere (a CPU emulates
-    fp16, slowly)."""
+    """The dtype named, else fp16 on CUDA and fp32 elsewhere (a CPU emulates fp16, slowly)."""
     if name == 'auto':
         name = 'fp16' if device.type == 'cuda' else 'fp32'
     return dict(fp16=torch.float16, fp32=torch.float32)[name]
 
 
 def pick_compile_mode(option, device, tiny=False):
-    """torch.compile's mode, or False for eager. Compiled unless option is False, by default not on
-    MPS (experimental there) nor for --tiny (compiling would outlast it). CUDA replays the steps as
-    CUDA graphs."""
+    """torch.compile's mode, or False for eager: by default compiled, but not on MPS (experimental
+    there) nor for --tiny (compiling would outlast it). CUDA replays the steps as CUDA graphs."""
     if option is None:
         option = device.type != 'mps' and not tiny
     if not option:
@@ -717,16 +706,16 @@ def pick_compile_mode(option, device, tiny=False):
 
 @contextlib.contextmanager
 def torch_settings(device, compile_mode=False):
-    """torch set as runs need it, and reset as it was afterwards. cuDNN searches for its fastest
-    kernels on CUDA, since a run's shapes are fixed. TF32 is off, so that fp32 is fp32 on any GPU.
-    When compiling, each function may keep 256 graphs, one per graph setting of a sweep, where
-    torch would keep 8 and then run the function eager."""
+    """torch set as runs need it, and as it was afterwards. cuDNN searches for its fastest kernels
+    on CUDA, since a run's shapes are fixed, and TF32 is off, so that fp32 is fp32 on any GPU. A
+    compiled function may keep 256 graphs, one per setting of a sweep: torch keeps 8, then runs
+    eager."""
     cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
     saved = cudnn.benchmark, cudnn.allow_tf32, matmul.allow_tf32
     cudnn.benchmark = device.type == 'cuda'
     cudnn.allow_tf32 = matmul.allow_tf32 = False
     graphs = contextlib.nullcontext()
-    if compile_mode:  # only then: importing the compiler takes a second or more
+    if compile_mode:  # only then, since importing the compiler takes a second or more
         graphs = torch._dynamo.config.patch(recompile_limit=256)
     try:
         with graphs:
@@ -736,9 +725,8 @@ def torch_settings(device, compile_mode=False):
 
 
 def warmed_up_trainer(data, hyp, device, dtype, compile_mode, log):
-    """A new Trainer, compiled if asked, with its compiled step checked against eager's. Then an
-    untimed run of 2 steps pays the one-off costs, and on a GPU a second one, since cuDNN's search
-    comes first and the CUDA graphs second."""
+    """A new Trainer, compiled if asked, with its compiled step checked against eager's. An untimed
+    run of 2 steps then pays the one-off costs; a GPU runs two, for cuDNN's search and CUDA graphs."""
     trainer = Trainer(hyp, device, dtype, compile_mode)
     if compile_mode:
         start = time.perf_counter()
@@ -766,10 +754,9 @@ def warmed_up_trainer(data, hyp, device, dtype, compile_mode, log):
 
 
 def compiled_step_error(trainer, x, y, hyp):
-    """How the compiled step's loss and gradients differ from eager's beyond rounding, or None.
-    Each may differ from eager's by 4 times eager's own distance from the step in a wider dtype
-    (float64 for fp32, fp32 for half precision, on the CPU for MPS), and by 4 times the median of
-    those distances at least. No CPU suite can test a GPU's compiler, so every job checks it."""
+    """How the compiled step's loss and gradients differ from eager's beyond rounding, or None. Each
+    may differ by 4 times eager's own distance from the step in a wider dtype (on the CPU for MPS),
+    and by 4 times the median distance at least. No CPU suite can test a GPU's compiler."""
     def loss_and_gradients(model, loss_function, images):
         model.zero_grad()  # every .grad to None
         loss = loss_function(model, images, y.to(images.device), hyp['label_smoothing'])[0]
@@ -798,17 +785,15 @@ def compiled_step_error(trainer, x, y, hyp):
     return None
 
 
-# The settings that shape the networks or enter a compiled graph as constants: each combination of
-# them, with the device, dtype and compile mode, gets a Trainer of its own, compiled and warmed up
-# once. Every other setting reaches each run through its hyp.
+# The settings that shape the networks or enter a compiled graph as constants. Each combination,
+# with the device, dtype and compile mode, has a Trainer of its own; the rest reach each run.
 GRAPH_SETTINGS = ('batch_size', 'bn_split_size', 'bn_scale_frozen', 'celu_alpha', 'channels',
                   'whitening', 'logit_scale', 'label_smoothing', 'eval_batch_size')
-TRAINERS = {}  # this process's last few Trainers by their settings, the one used last at the end
+TRAINERS = {}  # the last 4 Trainers used, by their settings, for sweeps that go back and forth
 
 
 def trainer_for(data, hyp, device, dtype, compile_mode, log):
-    """The Trainer for hyp's graph settings: warmed_up_trainer's the first time they are asked for,
-    and the same one again later. The 4 used last are kept, for sweeps that go back and forth."""
+    """The Trainer of hyp's graph settings, warmed_up_trainer's the first time they are asked for."""
     key = (json.dumps([hyp[name] for name in GRAPH_SETTINGS]), str(device), dtype, compile_mode)
     if key not in TRAINERS:
         TRAINERS[key] = warmed_up_trainer(data, hyp, device, dtype, compile_mode, log)
@@ -826,15 +811,14 @@ def hyperparameters(settings=None, tiny=False):
 
 def train(data, hyp=None, seed=0, tiny=False, device='auto', dtype='auto', compile=None,
           progress=False):
-    """One run of the recipe, as the command line trains it, on the data given: a dict of uint8
-    N x 3 x 32 x 32 'train_images' and 'test_images' with integer 'train_labels' and 'test_labels'
-    0-9, as load_cifar10 returns it, or a subset or relabelling of it. The run takes the first
-    hyp['train_images'] and hyp['test_images'] of them. hyp holds settings over HYP (over TINY's if
-    tiny); device, dtype and compile are as --device, --dtype and --compile. Returns the run's
-    model and rows (trained_model says what the model is). The first call with some graph settings
-    builds the networks, compiles them and warms them up; later calls reuse them. Prints nothing
-    unless progress, and leaves torch's random state and settings as they were. A bad input raises
-    a UserError (a ValueError) naming it."""
+    """One run of the recipe, as the command line trains it, on data: uint8 N x 3 x 32 x 32
+    'train_images' and 'test_images' with integer 'train_labels' and 'test_labels' 0-9, as
+    load_cifar10 returns them, or a subset or relabelling. The run takes the first
+    hyp['train_images'] and hyp['test_images']. hyp's settings go over HYP (over TINY's if tiny);
+    device, dtype and compile are as the options. Returns trained_model's model and the rows. The
+    first call of some graph settings compiles and warms up; later calls reuse the networks. It
+    prints nothing unless progress, leaves torch's random state and settings as they were, and
+    raises a UserError (a ValueError) naming a bad input."""
     hyp = hyperparameters(hyp, tiny)
     why = hyp_problem(hyp)
     if why:
@@ -859,9 +843,8 @@ def train(data, hyp=None, seed=0, tiny=False, device='auto', dtype='auto', compi
 
 
 def trained_model(trainer, hyp, data):
-    """A copy of the run's EMA model, fp32, in eval mode, on the training device, its parameters
-    not requiring gradients. Its hyp is the run's, with the numbers of training and test images
-    that trained and scored it."""
+    """A copy of the run's EMA model: fp32, eval mode, on the device, no gradients. Its hyp is the
+    run's, with the numbers of images that trained and scored it."""
     model = copy.deepcopy(trainer.ema)
     model.hyp = {**hyp, 'train_images': len(data['train_images']),
                  'test_images': len(data['test_images'])}
@@ -871,7 +854,7 @@ def trained_model(trainer, hyp, data):
 @torch.no_grad()
 def test_logits(model, images, batch_size=1000):
     """A model's flip-TTA logits for uint8 N x 3 x 32 x 32 images, in their order, on the CPU, in
-    the model's dtype, which is fp32 for train()'s models. The model's mode is left as it was."""
+    the model's dtype (fp32 for train()'s). The model's mode is left as it was."""
     why = images_problem(images)
     if why:
         raise UserError(f'images: {why}')
@@ -887,8 +870,8 @@ def test_logits(model, images, batch_size=1000):
 
 
 def save_model(model, path, **extra):
-    """Write a model of train()'s to path in one file that load_model reads: its weights, its hyp
-    (which rebuilds it), the classes and the normalisation, and any extra fields."""
+    """Write model to path, with its hyp (which rebuilds it), the classes, the normalisation and
+    extra's fields, for load_model."""
     state = {name: tensor.cpu() for name, tensor in model.state_dict().items()}
     checkpoint = dict(state_dict=state, hyperparameters=model.hyp, classes=CLASSES,
                       mean=CIFAR10_MEAN, std=CIFAR10_STD, **extra)
@@ -898,8 +881,8 @@ def save_model(model, path, **extra):
 
 
 def load_model(path):
-    """The model in a file of save_model's or --save's: fp32, in eval mode, on the CPU. torch.load
-    reads only tensors and plain values from it (weights_only), so that the file runs no code."""
+    """The model save_model or --save wrote: fp32, eval mode, on the CPU. torch.load reads only
+    tensors and plain values (weights_only), so that the file runs no code."""
     checkpoint = torch.load(path, map_location='cpu', weights_only=True)
     model = ResNet9(checkpoint['hyperparameters'])
     model.load_state_dict(checkpoint['state_dict'])
@@ -935,14 +918,12 @@ def evaluation_label(hyp):
             f"{'EMA' if hyp['ema_momentum'] else 'no EMA: the trained weights'}")
 
 
-def header_lines(job, world=1):
+def header_lines(job):
     """A log's lines before its first row: the script's version, the device, the settings and the
-    data. job holds Job.identity; world is the number of torchrun's ranks."""
-    hyp, device = job['hyperparameters'], job['device']
-    if world > 1:
-        device += f' | {world} ranks, each training whole runs'
+    data. job holds Job.identity."""
+    hyp = job['hyperparameters']
     settings = ', '.join(f'{k}={v}' for k, v in hyp.items())
-    return [f"train_cifar10.py {job['script_sha256']} | torch {job['torch']} | {device}",
+    return [f"train_cifar10.py {job['script_sha256']} | torch {job['torch']} | {job['device']}",
             f"dtype {job['dtype'].split('.')[-1]} (batch norm and the loss fp32; no TF32), in "
             f"training and evaluation | seed {job['seed']} | {job['train_images']} train / "
             f"{job['test_images']} test images",
@@ -1002,9 +983,8 @@ def summary_lines(summary):
                  '{time_max_s:.2f} s'.format(**summary))
     if 'trained' in summary:
         ran = summary['trained']
-        ranks = f" over {summary['ranks']} ranks" if summary['ranks'] > 1 else ''
         lines.append(f"job: {ran} run{'s' * (ran != 1)} in {summary['wall_s']:.1f} s of wall time "
-                     f"after the warm-up{ranks}, {3600 * ran / summary['wall_s']:.0f} runs per hour")
+                     f"after the warm-up, {3600 * ran / summary['wall_s']:.0f} runs per hour")
     return lines
 
 
@@ -1214,28 +1194,17 @@ TRICKS_OFF = {'whitening': 'whitening=none', 'label smoothing': 'label_smoothing
               'flip-TTA': 'flip_tta=False'}
 
 
-def is_integer(value):
-    """Whether value is an integer of Python's or numpy's, but not a bool."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
 def kind_problem(name, value):
-    """Why value is not of the kind of HYP[name], or None. A bool or a string setting takes its own
-    type, an integer setting an integer, a float setting any number, the widths as many integers."""
-    default = HYP[name]
-    if isinstance(default, (bool, str)):
-        right, what = type(value) is type(default), type(default).__name__
-    elif isinstance(default, tuple):
-        right = isinstance(value, (tuple, list)) and len(value) == len(default)
-        right = right and all(map(is_integer, value))
-        what = f'{len(default)} integers, as {as_typed(default)}'
-    elif isinstance(default, int):
-        right, what = is_integer(value), 'an integer'
-    else:
-        right, what = isinstance(value, numbers.Real) and not isinstance(value, bool), 'a number'
-    if right:
+    """Why value is not of the kind of HYP[name], by numpy's kinds, or None. A float setting takes
+    any number, an integer setting integers (numpy's too), the widths as many integers as HYP's."""
+    default, given = np.asarray(HYP[name]), np.asarray(value)
+    kinds, what = dict(b=('b', 'True or False'), i=('iu', 'an integer'), f=('iuf', 'a number'),
+                       U=('U', 'a string'))[default.dtype.kind]
+    if given.dtype.kind in kinds and given.shape == default.shape:
         return None
-    return f'{name}={value!r}: must be {what}'
+    if default.ndim:  # the widths
+        what = f'{default.size} integers'
+    return f'{name}={value!r}: must be {what}, as {name}={as_typed(HYP[name])}'
 
 
 def no_such_name(name):
@@ -1357,16 +1326,10 @@ def check_options(args, hyp, resumed_save=None):
 
 
 class Job:
-    """One command's runs and the files rewritten after each. main() calls set_up, run_all and
-    end. Under torchrun each rank trains whole runs, one per rank in each round, and rank 0 keeps
-    the round's runs, prints them and writes the files."""
+    """One command's runs and the files rewritten after each: main() calls set_up, run_all and end."""
 
     def __init__(self, args, argv=()):
         self.args, self.argv = args, argv  # as parsed, and as given
-        self.rank = int(os.environ.get('RANK', 0))  # as torchrun sets them; alone, rank 0 of 1
-        self.local_rank = int(os.environ.get('LOCAL_RANK', 0))
-        self.world = int(os.environ.get('WORLD_SIZE', 1))
-        self.log = print if self.rank == 0 else print_nothing  # rank 0 alone prints
         self.path = args.resume or args.json  # the job file: a resumed job goes on writing its own
         self.runs, self.runs_resumed = [], 0  # the finished runs in order, and those read back
         self.trainer = self.started = None  # the networks, and when the first run started
@@ -1383,35 +1346,20 @@ class Job:
         self.hyp = hyp = hyperparameters(settings, args.tiny)
         resumed_save = resumed['options']['save'] if resumed else None  # rewritten, not refused
         check_options(args, hyp, resumed_save)
-        local_rank = self.local_rank if self.world > 1 else None
-        self.device = device = pick_device(args.device, local_rank)
+        self.device = device = pick_device(args.device)
         self.compile_mode = pick_compile_mode(args.compile, device, args.tiny)
         self.dtype = pick_dtype(args.dtype, device)
-        if self.world > 1:  # gloo gathers the finished runs, waiting up to a week for the slowest
-            if device.type == 'cuda':
-                torch.cuda.set_device(device)
-            # Imported after it, torch.distributed.nn's defaults would hold the group, whose gloo
-            # threads would then outlive it and abort in Python's shutdown.
-            importlib.import_module('torch.distributed.nn')
-            dist.init_process_group('gloo', timeout=datetime.timedelta(days=7))
-            signal.signal(signal.SIGTERM, signal.default_int_handler)  # torchrun's stop, as Ctrl-C
-        if self.world > 1 and self.local_rank != 0:  # one rank per machine downloads
-            dist.barrier()
-        folder = ensure_cifar10(args.data_dir)
-        if self.world > 1 and self.local_rank == 0:
-            dist.barrier()
-        data = load_cifar10(folder)
+        data = load_cifar10(ensure_cifar10(args.data_dir))
         self.data = first_images(data, hyp)  # all the data holds, or fewer (--tiny, --set)
         script, self.script, script_sha256 = globals().get('__file__'), None, 'n/a'
         if script and os.path.isfile(script):  # a notebook cell has no file
             text = Path(script).read_bytes()
             self.script, script_sha256 = text.decode(), hashlib.sha256(text).hexdigest()[:16]
-        n_train = len(self.data['train_images'])
         self.identity = dict(  # what the header, --resume and --compare read
             script_sha256=script_sha256, torch=torch.__version__,
             device=device_description(device), dtype=str(self.dtype), compile=self.compile_mode,
             hyperparameters=hyp, seed=args.seed, data=data['provenance'],
-            data_digest=data['digest'], train_images=n_train,
+            data_digest=data['digest'], train_images=len(self.data['train_images']),
             test_images=len(self.data['test_images']))
         if resumed:
             differences = job_differences(resumed, json_ready(self.identity))
@@ -1423,53 +1371,34 @@ class Job:
             self.runs, self.runs_resumed = resumed['runs'], len(resumed['runs'])
 
     def run_all(self):
-        """The header, the runs read back, the warm-up, then the missing runs, in rounds of one run
-        per rank."""
-        args, log = self.args, self.log
-        log('\n'.join(header_lines(self.identity, self.world)))
+        """The header, the runs read back, the warm-up, then each missing run, kept as it ends."""
+        args = self.args
+        print('\n'.join(header_lines(self.identity)))
         if self.runs:
-            log(f'\n{len(self.runs)} run(s) read back from {args.resume}')
+            print(f'\n{len(self.runs)} run(s) read back from {args.resume}')
         missing = sorted(set(range(1, args.runs + 1)) - {run['run'] for run in self.runs})
         if not missing:
             return
         compiling = 'compilation, then ' if self.compile_mode else ''
-        log(f'\n{compiling}warm-up: untimed runs of 2 steps take the one-off costs', flush=True)
+        print(f'\n{compiling}warm-up: untimed runs of 2 steps take the one-off costs', flush=True)
         with torch_settings(self.device, self.compile_mode):
             self.trainer = trainer_for(self.data, self.hyp, self.device, self.dtype,
-                                       self.compile_mode, log)
-            self.test_set = upload_test_set(self.data, self.trainer)
+                                       self.compile_mode, print)
+            test_set = upload_test_set(self.data, self.trainer)
             self.started = time.perf_counter()
-            for first in range(0, len(missing), self.world):
-                runs = missing[first:first + self.world]
-                record = None
-                if self.rank < len(runs):  # the last round may leave ranks idle
-                    record = self.run_one(runs[self.rank])
-                records = [record]
-                if self.world > 1:  # every rank's run of the round, to every rank
-                    records = [None] * self.world
-                    try:
-                        dist.all_gather_object(records, record)
-                    except RuntimeError:  # gloo's "Connection closed by peer": a rank stopped
-                        raise KeyboardInterrupt from None  # so this one stops as at Ctrl-C
-                self.record_runs([r for r in records if r], saved=record)
+            for run in missing:
+                seed = args.seed + run - 1
+                on_epoch = table_printer(print, run, args.runs, seed)
+                rows = train_run(self.data, test_set, self.trainer, self.hyp, seed, on_epoch)
+                self.keep(dict(run=run, seed=seed, failed=diverged(rows), rows=rows,
+                               accuracy=rows[-1]['valid_acc'], time_s=rows[-1]['total_time']))
 
-    def run_one(self, run):
-        """Train one run, printing its rows as they come (under torchrun, record_runs prints
-        them), and return its record."""
-        seed = self.args.seed + run - 1
-        on_epoch = print_nothing
-        if self.world == 1:
-            on_epoch = table_printer(self.log, run, self.args.runs, seed)
-        rows = train_run(self.data, self.test_set, self.trainer, self.hyp, seed, on_epoch)
-        return dict(run=run, seed=seed, failed=diverged(rows), rows=rows,
-                    accuracy=rows[-1]['valid_acc'], time_s=rows[-1]['total_time'])
-
-    def record_runs(self, records, saved=None):
-        """Add the finished runs, once rank 0 has written them to the job file, and saved's EMA
-        model to --save's file. Then say when a job whose runs take minutes should end."""
-        runs = sorted(self.runs + records, key=lambda run: run['run'])
+    def keep(self, record):
+        """Add a finished run, once it is in the job file, save its EMA model to --save's file, and
+        say when a job whose runs take minutes should end."""
+        runs = sorted([*self.runs, record], key=lambda run: run['run'])
         self.kept_at = time.perf_counter()
-        if self.rank == 0 and self.path:
+        if self.path:
             files = ('json', 'resume', 'plot')  # not the job's settings
             options = {k: v for k, v in vars(self.args).items() if k not in files}
             job = {'format': JOB_FORMAT, **json_ready(dict(
@@ -1479,43 +1408,36 @@ class Job:
             text = json.dumps({**job, 'sha256': job_sha256(job)}, indent=1)
             write_atomically(self.path, text.encode())
         self.runs = runs
-        if self.rank == 0 and self.args.save and saved and not saved['failed']:
+        if self.args.save and not record['failed']:
             model = trained_model(self.trainer, self.hyp, self.data)
-            save_model(model, self.args.save, run=saved['run'], seed=saved['seed'],
-                       accuracy=saved['accuracy'])
-        if self.world > 1:  # the round's tables, whole, from rank 0
-            for run in records:
-                print_row = table_printer(self.log, run['run'], self.args.runs, run['seed'])
-                for row in run['rows']:
-                    print_row(row)
-        per_run = (self.kept_at - self.started) / (len(runs) - self.runs_resumed)  # ranks at once
+            save_model(model, self.args.save, run=record['run'], seed=record['seed'],
+                       accuracy=record['accuracy'])
+        per_run = (self.kept_at - self.started) / (len(runs) - self.runs_resumed)
         left = self.args.runs - len(runs)
-        if left and per_run * self.world > 60:
+        if left and per_run > 60:
             end = datetime.datetime.now() + datetime.timedelta(seconds=per_run * left)
-            self.log(f'\n{left} run(s) left, {per_run / 60:.1f} min each: the job should end '
-                     f'at about {end:%H:%M on %a %d %b}', flush=True)
+            print(f'\n{left} run(s) left, {per_run / 60:.1f} min each: the job should end at '
+                  f'about {end:%H:%M on %a %d %b}', flush=True)
 
     def summary(self, runs):
         """The summary of runs (read back too), and the pace of those trained here."""
         summary = summarize(runs, self.hyp)
         trained = len(runs) - self.runs_resumed
         if trained:
-            summary.update(trained=trained, wall_s=self.kept_at - self.started, ranks=self.world)
+            summary.update(trained=trained, wall_s=self.kept_at - self.started)
         return summary
 
     def end(self, status):
-        """Leave the group, say what a stopped job left, print the summary and draw --plot, with
-        Ctrl-C and torchrun's SIGTERM ignored. Returns the status, or 1 if --plot was not drawn."""
-        ignored = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
+        """Say what a stopped job left, print the summary and draw --plot, with Ctrl-C ignored.
+        Returns the status, or 1 if --plot was not drawn."""
+        ignored = signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:
-            if dist.is_initialized():  # now, since gloo's threads abort in Python's shutdown
-                dist.destroy_process_group()
             if status == 130:
                 then = f'; --resume {self.path} goes on' if self.runs and self.path else ''
-                self.log(f'\ninterrupted after {len(self.runs)} finished run(s){then}')
+                print(f'\ninterrupted after {len(self.runs)} finished run(s){then}')
             if self.runs:
-                self.log('\n' + '\n'.join(summary_lines(self.summary(self.runs))))
-            if self.args.plot and self.rank == 0 and (self.runs or self.started is not None):
+                print('\n' + '\n'.join(summary_lines(self.summary(self.runs))))
+            if self.args.plot and (self.runs or self.started is not None):
                 job = dict(self.identity, options=vars(self.args), runs=self.runs)
                 try:
                     plot_jobs(self.args.plot, [job])
@@ -1525,13 +1447,11 @@ class Job:
                     return status or 1
             return status
         finally:
-            for s, handler in ignored.items():
-                signal.signal(s, handler)
+            signal.signal(signal.SIGINT, ignored)
 
 
 def main(argv=None):
-    """Train --runs models, print the tables and the summary (on rank 0), and return the exit
-    status."""
+    """Train --runs models, print the tables and the summary, and return the exit status."""
     if argv is None:
         argv = [] if in_notebook_cell() else sys.argv[1:]
     try:
@@ -1547,11 +1467,10 @@ def main(argv=None):
             return 0
         job.set_up()
         job.run_all()
-    except UserError as e:  # torchrun stops the other ranks when one exits with an error
-        rank = f' (rank {job.rank})' if job.world > 1 else ''
-        print(f'error{rank}: {e}', file=sys.stderr)
+    except UserError as e:
+        print(f'error: {e}', file=sys.stderr)
         status = 1
-    except KeyboardInterrupt:  # Ctrl-C, or torchrun stopping the job
+    except KeyboardInterrupt:  # Ctrl-C
         status = 130
     finally:
         status = job.end(status)
