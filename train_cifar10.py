@@ -32,7 +32,7 @@ HYP = dict(
     floor_epochs=2,          # ... floor_epochs (Page 8), so that the weights the EMA averages move
     momentum=0.9,            # Page: Nesterov momentum
     weight_decay=5e-4,       # Page; multiplied by batch_size per step, as above
-    bias_lr_scale=64.0,      # Page 8: batch-norm biases take lr x 64 and weight decay / 64 (0 is off)
+    bias_lr_scale=64.0,      # Page 8: BN biases take lr x 64 and weight decay / 64 (0 is off)
     label_smoothing=0.2,     # Page 8: targets are 0.8 x one-hot + 0.2 x uniform (0 is off)
     ema_momentum=0.99,       # Page 8: EMA of weights and BN statistics, about an epoch (0 is off)
     ema_every=5,             # ... updated every 5 steps by momentum**5; more often did not help
@@ -41,7 +41,7 @@ HYP = dict(
     celu_alpha=0.3,          # Page 8: CELU(0.3), a smooth ReLU (0 is ReLU, CELU's limit)
     logit_scale=1 / 16,      # Page: logits x 1/16, a fixed temperature of the softmax
     whitening='fixed',       # Page 8: fixed ('none' is a plain conv; 'learned' trains it)
-    flip_tta=True,           # Page 8: a test image's logits are averaged with its mirror's (False is off)
+    flip_tta=True,           # Page 8: test logits averaged with the mirror image's (False is off)
     channels=(64, 128, 256, 512),  # Page's ResNet9 widths of prep, layer1, layer2 and layer3
     whitening_images=10000,  # Page: the patches' second moment is taken over 10,000 images ...
     whitening_eps=1e-2,      # ... and each filter is divided by sqrt(eigenvalue + eps)
@@ -184,7 +184,7 @@ class GhostBatchNorm(nn.BatchNorm2d):
     def __init__(self, channels, split_size, frozen_scale=True):
         super().__init__(channels)
         self.split_size = split_size
-        self.weight.requires_grad_(not frozen_scale)  # Page keeps the scale at 1: only the bias learns
+        self.weight.requires_grad_(not frozen_scale)  # Page's scale stays 1: only the bias learns
 
     def forward(self, x):
         if not self.training:  # the running statistics, in fp32
@@ -360,7 +360,7 @@ def ema_update(averages, tensors, momentum):
 
 def summed_loss(model, images, labels, label_smoothing):
     """The label-smoothed cross-entropy summed over the batch, in fp32, and the logits. Page 8:
-    targets that are partly uniform keep the outputs from growing over-confident (94.1 -> 94.2 %)."""
+    partly uniform targets keep the outputs from growing over-confident (94.1 -> 94.2 %)."""
     logits = model(images)
     loss = F.cross_entropy(logits.to(at_least_fp32(logits.dtype)), labels,
                            label_smoothing=label_smoothing, reduction='sum')
@@ -403,7 +403,7 @@ class Trainer:
         on the CPU from a generator seeded with seed, so that a seed gives the same weights on any
         device and the caller's random state is untouched. Each convolution and the head are drawn
         as torch draws them, in the order a ResNet9 builds them: the weights equal those of a
-        ResNet9 built after torch.manual_seed(seed). whitening: the first layer's filters, if any."""
+        ResNet9 built after torch.manual_seed(seed). whitening holds the first layer's filters."""
         generator = torch.Generator().manual_seed(seed)
         for module in self.ema.modules():
             if isinstance(module, nn.BatchNorm2d):
@@ -565,9 +565,8 @@ OFFICIAL_MD5 = dict(zip(  # the five batch files of training images, then the te
 
 
 def ensure_cifar10(data_dir, url=None, md5=CIFAR10_MD5):
-    """The folder of the batch files, data_dir or its cifar-10-batches-py, downloaded if missing
-    from url, else $CIFAR10_URL, else the official address. A download cut short leaves nothing
-    that looks whole: it goes through a part file and a staging folder."""
+    """The folder of the batch files, downloaded if missing, through a part file and a staging
+    folder (from url, $CIFAR10_URL or the official address)."""
     data_dir, url = Path(data_dir), url or os.environ.get('CIFAR10_URL') or CIFAR10_URL
     if (data_dir / 'data_batch_1').is_file():
         return data_dir
@@ -631,8 +630,7 @@ def images_problem(images, labels=None):
 
 
 def load_cifar10(folder):
-    """The training and test sets (uint8 N x 3 x 32 x 32 images, int64 labels), where they come
-    from, and a digest of the six files."""
+    """The training and test sets, uint8 images and int64 labels, their provenance and digest."""
     images, labels, md5s = [], [], []
     for name in OFFICIAL_MD5:
         path = Path(folder) / name
@@ -706,10 +704,9 @@ def pick_compile_mode(option, device, tiny=False):
 
 @contextlib.contextmanager
 def torch_settings(device, compile_mode=False):
-    """torch set as runs need it, and as it was afterwards. cuDNN searches for its fastest kernels
-    on CUDA, since a run's shapes are fixed, and TF32 is off, so that fp32 is fp32 on any GPU. A
-    compiled function may keep 256 graphs, one per setting of a sweep: torch keeps 8, then runs
-    eager."""
+    """torch set as runs need it, and as it was afterwards: cuDNN searches for its fastest kernels
+    on CUDA (a run's shapes are fixed), TF32 is off (fp32 is fp32 on any GPU), and a compiled
+    function may keep a graph for each of 256 settings, where torch keeps 8 and then runs eager."""
     cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
     saved = cudnn.benchmark, cudnn.allow_tf32, matmul.allow_tf32
     cudnn.benchmark = device.type == 'cuda'
@@ -725,8 +722,8 @@ def torch_settings(device, compile_mode=False):
 
 
 def warmed_up_trainer(data, hyp, device, dtype, compile_mode, log):
-    """A new Trainer, compiled if asked, with its compiled step checked against eager's. An untimed
-    run of 2 steps then pays the one-off costs; a GPU runs two, for cuDNN's search and CUDA graphs."""
+    """A new Trainer, compiled if asked, with its compiled step checked against eager's. Untimed
+    runs of 2 steps then pay the one-off costs: one on a CPU, two on a GPU (cuDNN, CUDA graphs)."""
     trainer = Trainer(hyp, device, dtype, compile_mode)
     if compile_mode:
         start = time.perf_counter()
@@ -744,8 +741,9 @@ def warmed_up_trainer(data, hyp, device, dtype, compile_mode, log):
             why = f'failed ({reason})'
         if why:
             raise UserError(f'torch.compile {why}; --no-compile trains eager')
-        log(f'torch.compile ({compile_mode}): {time.perf_counter() - start:.1f} s, its step checked '
-            "against eager's, outside every run's time", flush=True)
+        seconds = time.perf_counter() - start
+        log(f"torch.compile ({compile_mode}): {seconds:.1f} s, its step checked against eager's, "
+            "outside every run's time", flush=True)
     test_set = upload_test_set(data, trainer)
     for _ in range(1 if device.type == 'cpu' else 2):
         train_run(data, test_set, trainer, {**hyp, 'epochs': 1}, 0, print_nothing,
@@ -793,7 +791,7 @@ TRAINERS = {}  # the last 4 Trainers used, by their settings, for sweeps that go
 
 
 def trainer_for(data, hyp, device, dtype, compile_mode, log):
-    """The Trainer of hyp's graph settings, warmed_up_trainer's the first time they are asked for."""
+    """The Trainer of hyp's graph settings, which warmed_up_trainer makes when they are new."""
     key = (json.dumps([hyp[name] for name in GRAPH_SETTINGS]), str(device), dtype, compile_mode)
     if key not in TRAINERS:
         TRAINERS[key] = warmed_up_trainer(data, hyp, device, dtype, compile_mode, log)
@@ -813,12 +811,10 @@ def train(data, hyp=None, seed=0, tiny=False, device='auto', dtype='auto', compi
           progress=False):
     """One run of the recipe, as the command line trains it, on data: uint8 N x 3 x 32 x 32
     'train_images' and 'test_images' with integer 'train_labels' and 'test_labels' 0-9, as
-    load_cifar10 returns them, or a subset or relabelling. The run takes the first
-    hyp['train_images'] and hyp['test_images']. hyp's settings go over HYP (over TINY's if tiny);
-    device, dtype and compile are as the options. Returns trained_model's model and the rows. The
-    first call of some graph settings compiles and warms up; later calls reuse the networks. It
-    prints nothing unless progress, leaves torch's random state and settings as they were, and
-    raises a UserError (a ValueError) naming a bad input."""
+    load_cifar10 returns them or a subset or relabelling, of which the run takes the first
+    hyp['train_images'] and hyp['test_images']. hyp goes over HYP (over TINY's if tiny). Returns
+    trained_model's model and the rows. Later calls reuse the networks of the first call with the
+    same graph settings. A bad input raises a UserError (a ValueError) naming it."""
     hyp = hyperparameters(hyp, tiny)
     why = hyp_problem(hyp)
     if why:
@@ -870,8 +866,7 @@ def test_logits(model, images, batch_size=1000):
 
 
 def save_model(model, path, **extra):
-    """Write model to path, with its hyp (which rebuilds it), the classes, the normalisation and
-    extra's fields, for load_model."""
+    """Write model for load_model: its weights and hyp, which rebuilds it, and extra's fields."""
     state = {name: tensor.cpu() for name, tensor in model.state_dict().items()}
     checkpoint = dict(state_dict=state, hyperparameters=model.hyp, classes=CLASSES,
                       mean=CIFAR10_MEAN, std=CIFAR10_STD, **extra)
@@ -900,15 +895,15 @@ def table_line(values):
     return ''.join(f'{v:>12.4f}' if isinstance(v, float) else f'{v:>12}' for v in values)
 
 
-def table_printer(log, run, runs, seed):
-    """Print a run's title and the columns, and return what prints its rows one at a time (as
-    train_run's on_epoch), with FAILED below a row whose loss is not finite."""
-    log(f'\nrun {run}/{runs} (seed {seed})\n{table_line(COLUMNS)}', flush=True)
+def table_printer(run, runs, seed):
+    """Print a run's title and the columns, and return train_run's on_epoch, which prints each row
+    and FAILED below a row whose loss is not finite."""
+    print(f'\nrun {run}/{runs} (seed {seed})\n{table_line(COLUMNS)}', flush=True)
 
     def print_row(row):
-        log(table_line(row[key] for key in ROW_KEYS), flush=True)
+        print(table_line(row[key] for key in ROW_KEYS), flush=True)
         if diverged([row]):
-            log(f"run {run} FAILED: the loss became NaN in epoch {row['epoch']}")
+            print(f"run {run} FAILED: the loss became NaN in epoch {row['epoch']}")
     return print_row
 
 
@@ -919,8 +914,7 @@ def evaluation_label(hyp):
 
 
 def header_lines(job):
-    """A log's lines before its first row: the script's version, the device, the settings and the
-    data. job holds Job.identity."""
+    """A log's lines before its first row, from a job's identity."""
     hyp = job['hyperparameters']
     settings = ', '.join(f'{k}={v}' for k, v in hyp.items())
     return [f"train_cifar10.py {job['script_sha256']} | torch {job['torch']} | {job['device']}",
@@ -989,8 +983,7 @@ def summary_lines(summary):
 
 
 def plot_jobs(path, jobs, names=('',)):
-    """Draw --plot: each job's valid accuracy by epoch, the mean of its runs, and a band from their
-    least to their greatest."""
+    """Draw --plot: each job's valid accuracy by epoch, its runs' mean and a band of all of them."""
     if not any(not run['failed'] for job in jobs for run in job['runs']):
         print(f'--plot {path}: no finished run to draw, nothing written')
         return None
@@ -1032,9 +1025,9 @@ def device_description(device):
 # ==== Statistics: the t distribution, Welch's comparison, what a comparison can resolve ========
 def t_cdf(t, df):
     """P(T <= t) for Student's t with df >= 1 degrees of freedom. With t = sqrt(df) tan(u), the
-    tail is the integral of cos(u)^(df-1) / B(df/2, 1/2) from atan(|t| / sqrt(df)), taken by
-    Simpson's rule over at most 40 / sqrt(df), beyond which less than e^-800 of it lies. It is
-    within 2e-6 of tails above 1e-12 for df from 2 to 1e5, and within 1e-4 below."""
+    tail is the integral of cos(u)^(df-1) / B(df/2, 1/2) from atan(|t| / sqrt(df)), by Simpson's
+    rule over 40 / sqrt(df) at most (the rest is below e^-800 of it). It is within 2e-6 of tails
+    above 1e-12 for df from 2 to 1e5, and within 1e-4 below."""
     start = math.atan(abs(t) / math.sqrt(df))
     u, h = np.linspace(start, min(math.pi / 2, start + 40 / math.sqrt(df)), 2001, retstep=True)
     f = np.cos(u) ** (df - 1)
@@ -1056,8 +1049,7 @@ def t_quantile(p, df):
 
 
 def welch(a, b):
-    """Welch's test of b's mean against a's: the difference, its standard error, the degrees of
-    freedom, the 95 % interval and the two-sided p-value."""
+    """Welch's test of b's mean against a's: difference, standard error, df, 95 % interval, p."""
     va, vb = np.var(a, ddof=1) / len(a), np.var(b, ddof=1) / len(b)
     diff, se = float(np.mean(b) - np.mean(a)), math.sqrt(va + vb)
     if se == 0:
@@ -1070,16 +1062,15 @@ def welch(a, b):
 
 # ==== Job files: written after every run, read back by --resume, compared by --compare =========
 JOB_FORMAT = 'train_cifar10.py job, format 4'
-# A job's identity, which --resume refuses to mix and --compare shows: what can change a run's numbers.
+# A job's identity, what can change a run's numbers: --resume refuses to mix it, --compare shows it.
 DATA_KEYS = ('data', 'data_digest', 'test_images')
 JOB_KEYS = ('script_sha256', 'torch', 'device', 'dtype', 'compile', 'hyperparameters', 'seed',
             'train_images', *DATA_KEYS)
 
 
 def write_atomically(path, data):
-    """Write bytes through a temporary file beside path, so that a write cut short leaves path as
-    it was."""
-    tmp = Path(path).with_name(f'.{Path(path).name}.{os.getpid()}.part')
+    """Write bytes through a part file beside path: a write cut short leaves path as it was."""
+    tmp = Path(path).with_name(f'.{Path(path).name}.part')
     try:
         tmp.write_bytes(data)
         os.replace(tmp, path)
@@ -1095,7 +1086,7 @@ def json_ready(x):
 
 
 def job_sha256(job):
-    """The sha256 of a job's content, which its file holds too, so that it vouches for every field."""
+    """The sha256 of a job's content, which its file holds too: one check vouches for each field."""
     return hashlib.sha256(json.dumps(job, sort_keys=True).encode()).hexdigest()
 
 
@@ -1116,8 +1107,8 @@ def read_job(path, option):
 
 
 def job_differences(a, b, keys=JOB_KEYS):
-    """'name (in a -> in b)', with whole values, for each setting in which two jobs differ, each
-    hyperparameter singly. The data's image counts stand for the hyperparameters of their names."""
+    """'name (a's -> b's)' for each setting in which two jobs differ, each hyperparameter singly;
+    the data's image counts stand for the hyperparameters of their names."""
     def settings(job):
         hyp = job['hyperparameters'] if 'hyperparameters' in keys else {}
         return {**hyp, **{key: job[key] for key in keys if key != 'hyperparameters'}}
@@ -1127,7 +1118,7 @@ def job_differences(a, b, keys=JOB_KEYS):
 
 
 def compare_lines(paths, plot=None):
-    """--compare's report: each job's accuracies, and each job against the first (A) by Welch's t."""
+    """--compare's report: each job's accuracies, and each against the first (A) by Welch's t."""
     jobs = [read_job(path, '--compare') for path in paths]
     sides = [chr(ord('A') + i) for i in range(len(jobs))]
     lines, accuracies = [], []
@@ -1149,11 +1140,6 @@ def compare_lines(paths, plot=None):
     a = accuracies[0]
     for side, job, b in list(zip(sides, jobs, accuracies))[1:]:
         differences = job_differences(jobs[0], job, [k for k in JOB_KEYS if k != 'seed'])
-        scripts = [(j['script'] or '').splitlines() for j in (jobs[0], job)]  # None in a notebook
-        blocks = difflib.SequenceMatcher(None, *scripts, autojunk=False).get_opcodes()
-        changed = sum(max(i2 - i1, j2 - j1) for tag, i1, i2, j1, j2 in blocks if tag != 'equal')
-        if changed:  # the README says how to see them
-            differences.insert(1, f"the script's text in {changed} line{'s' * (changed > 1)}")
         lines.append(f"\n{side} differs from A in: {', '.join(differences) or 'nothing recorded'}")
         few = min(len(a), len(b))  # the runs of the smaller side
         w = {}
@@ -1326,7 +1312,7 @@ def check_options(args, hyp, resumed_save=None):
 
 
 class Job:
-    """One command's runs and the files rewritten after each: main() calls set_up, run_all and end."""
+    """One command's runs and the files rewritten after each; main() calls set_up, run_all, end."""
 
     def __init__(self, args, argv=()):
         self.args, self.argv = args, argv  # as parsed, and as given
@@ -1335,8 +1321,7 @@ class Job:
         self.trainer = self.started = None  # the networks, and when the first run started
 
     def set_up(self):
-        """Check all that can be refused before any training (options, files, device, data), then
-        read back the runs of a resumed job."""
+        """Check what can be refused before any training, then read back a resumed job's runs."""
         resumed = None
         if self.args.resume and os.path.isfile(self.path):
             resumed = read_job(self.path, '--resume')
@@ -1388,7 +1373,7 @@ class Job:
             self.started = time.perf_counter()
             for run in missing:
                 seed = args.seed + run - 1
-                on_epoch = table_printer(print, run, args.runs, seed)
+                on_epoch = table_printer(run, args.runs, seed)
                 rows = train_run(self.data, test_set, self.trainer, self.hyp, seed, on_epoch)
                 self.keep(dict(run=run, seed=seed, failed=diverged(rows), rows=rows,
                                accuracy=rows[-1]['valid_acc'], time_s=rows[-1]['total_time']))
