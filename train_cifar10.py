@@ -390,8 +390,6 @@ class Trainer:
         self.ema_tensors = averaged_tensors(self.ema)  # each list made once, for one call each
         self.trained_tensors = averaged_tensors(self.network)
         self.eval_tensors = averaged_tensors(self.eval_network)
-        norms = [m for m in self.network.modules() if isinstance(m, nn.BatchNorm2d)]
-        self.batch_norm_statistics = [t for m in norms for t in (m.running_mean, m.running_var)]
         self.loss, self.tta_logits = summed_loss, flip_tta_logits
         if compile_mode:
             self.loss = torch.compile(summed_loss, dynamic=False, mode=compile_mode)
