@@ -19,23 +19,23 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 # ==== Hyperparameters ==========================================================================
-# David Page's final 10-epoch recipe, from "How to train your ResNet 8: bag of tricks" (Page 8
-# below), where each trick's gain is a mean over 50 runs. The loss is summed over the batch. A
-# step's learning rate is the schedule's value divided by batch_size, and its weight decay is
-# weight_decay x batch_size, so that the schedule is the rate for the mean gradient and their
-# product is the decay per step, whatever the batch size. --set NAME=VALUE changes any of them.
+# David Page's final 10-epoch recipe, from "How to train your ResNet 8: bag of tricks" (Page 8).
+# Its gains below, 94.1 -> X %, are means of 50 runs at the epochs of their day, which Page then
+# cut back to 94.1 %. The loss is summed over the batch. A step's learning rate is the schedule's
+# value / batch_size and its weight decay weight_decay x batch_size, so that the schedule is the
+# rate for the mean gradient, and lr x weight decay the decay per step, whatever the batch size.
 HYP = dict(
     epochs=10,               # Page: 94.1% mean with flip-TTA after 10 epochs (26 s on a V100)
     batch_size=512,          # Page; the last partial batch is dropped, leaving 97 steps per epoch
-    lr_peak=1.0,             # the rate rises linearly from 0 to lr_peak over the first fifth, ...
+    lr_peak=1.0,             # the rate rises linearly from 0 to lr_peak in the first fifth, ...
     lr_floor=0.1,            # ... falls linearly to lr_floor and stays there for the last ...
-    floor_epochs=2,          # ... floor_epochs (Page 8), so that the weights the EMA averages move
+    floor_epochs=2,          # ... floor_epochs: Page 8 ends above 0, for the EMA to average
     momentum=0.9,            # Page: Nesterov momentum
     weight_decay=5e-4,       # Page; multiplied by batch_size per step, as above
     bias_lr_scale=64.0,      # Page 8: BN biases take lr x 64 and weight decay / 64 (0 is off)
     label_smoothing=0.2,     # Page 8: targets are 0.8 x one-hot + 0.2 x uniform (0 is off)
     ema_momentum=0.99,       # Page 8: EMA of weights and BN statistics, about an epoch (0 is off)
-    ema_every=5,             # ... updated every 5 steps by momentum**5; more often did not help
+    ema_every=5,             # ... after every 5th step of an epoch, by momentum**5 (Page 8)
     bn_split_size=32,        # Page 8: ghost batch norm over 32 images (0 uses the whole batch)
     bn_scale_frozen=True,    # Page 8: batch-norm scales are fixed at 1 (False learns them)
     celu_alpha=0.3,          # Page 8: CELU(0.3), a smooth ReLU (0 is ReLU, CELU's limit)
@@ -67,10 +67,10 @@ def upload_normalised(images, device, dtype):
     return ((x - mean) / std).to(dtype)
 
 
-def balanced_choice(n, options, max_options, generator):
-    """One of `options` choices for each of n positions, as Page's loader draws them: at most
-    max_options distinct choices, each given to an equal share of the positions (within one)."""
-    picked = torch.randperm(options, generator=generator)[:max_options]
+def balanced_choice(n, count, max_count, generator):
+    """One of the numbers 0 to count - 1 for each of n positions, as Page's loader draws them: at
+    most max_count distinct ones, each given to an equal share of the positions (within one)."""
+    picked = torch.randperm(count, generator=generator)[:max_count]
     return picked[torch.randperm(n, generator=generator) % len(picked)]
 
 
@@ -78,12 +78,12 @@ def draw_augmentation(n, hyp, generator):
     """Every random choice of an epoch of n images, drawn on the CPU so that a seed gives the same
     run on any device. One row per kind of choice, one column per position in the epoch: the image
     there, its crop offset (top, left), whether it is flipped, and its cutout corner if any."""
-    crops = 2 * hyp['pad'] + 1  # offsets 0 to 2 x pad, down and across
-    offset = balanced_choice(n, crops * crops, hyp['augment_options'], generator)
+    offsets = 2 * hyp['pad'] + 1  # per side: offsets 0 to 2 x pad, down and across
+    offset = balanced_choice(n, offsets * offsets, hyp['augment_options'], generator)
     flip = balanced_choice(n, 2, 2, generator)  # half of the images are mirrored
-    rows = [torch.randperm(n, generator=generator), offset // crops, offset % crops, flip]
+    rows = [torch.randperm(n, generator=generator), offset // offsets, offset % offsets, flip]
     if hyp['cutout']:
-        corners = 33 - hyp['cutout']  # corners 0 to 32 - cutout, down and across
+        corners = 33 - hyp['cutout']  # per side: corners 0 to 32 - cutout, down and across
         corner = balanced_choice(n, corners * corners, hyp['augment_options'], generator)
         rows += [corner // corners, corner % corners]
     return torch.stack(rows)
@@ -91,17 +91,17 @@ def draw_augmentation(n, hyp, generator):
 
 def cutout(images, top, left, size):
     """Zero image i's size x size square at (top[i], left[i]), in place (0 is the mean colour)."""
-    positions = torch.arange(images.shape[-1], device=images.device)
+    positions = torch.arange(32, device=images.device)
     rows = (positions >= top.view(-1, 1)) & (positions < top.view(-1, 1) + size)
     columns = (positions >= left.view(-1, 1)) & (positions < left.view(-1, 1) + size)
     return images.masked_fill_(rows.view(-1, 1, 32, 1) & columns.view(-1, 1, 1, 32), 0)
 
 
 def augmented_epoch(padded, labels, hyp, generator, layout):
-    """A fresh augmentation of every image, in a fresh order, cut into whole batches: the images
-    in the step's memory layout, their labels, and the number of steps. Each image is the 32 x 32
-    window of its padded image at its offset, read right to left where it is flipped, so that one
-    gather makes every crop and flip in the order drawn. The draws reach the device in one copy."""
+    """A fresh augmentation of every image in a fresh order, as many whole batches as fit: the
+    images in the step's layout, their labels and the number of steps. Each image is the 32 x 32
+    window of its padded image at its offset, read right to left where flipped, so that one gather
+    makes every crop and flip in the order drawn. The draws reach the device in one copy."""
     draws = draw_augmentation(len(padded), hyp, generator)
     if padded.device.type == 'cuda':  # from pinned memory the copy is queued and the host goes on
         draws = draws.pin_memory()
@@ -121,7 +121,7 @@ def augmented_epoch(padded, labels, hyp, generator, layout):
 
 # ==== 2. The network: whitening, ghost batch norm, ResNet9, its flip-TTA forward ===============
 def at_least_fp32(dtype):
-    """fp32 for fp16, else dtype itself (float64 stays), as to_training_precision says."""
+    """fp32 for fp16, else dtype itself (float64 stays): where to_training_precision keeps fp32."""
     return torch.promote_types(dtype, torch.float32)
 
 
@@ -139,8 +139,8 @@ def whitening_filters(images, eps):
     """Page's first layer: 27 fixed 3x3 conv filters that whiten the images' 3x3 patches. They are
     the eigenvectors of the patches' second moment (uncentred, as Page's), each divided by
     sqrt(eigenvalue + eps), the largest first. Batch norm scales each channel but leaves nearby
-    pixels and colours correlated. Whitened patches are not, and the network would take epochs to
-    learn that (Page 8: 94.1 -> 94.4 %)."""
+    pixels and colours correlated; whitened patches are not, and the network would take epochs to
+    learn to decorrelate them (Page 8: 94.1 -> 94.4 %)."""
     moment = patch_moment(images).cpu().double()  # eigenvectors in float64, on the CPU
     eigenvalues, eigenvectors = torch.linalg.eigh(moment)  # in ascending order
     eigenvalues, eigenvectors = eigenvalues.flip(0), eigenvectors.T.flip(0)
@@ -150,9 +150,9 @@ def whitening_filters(images, eps):
 
 class WhitenedPrep(nn.Module):
     """Page's whitening (a 3x3 conv from 3 to 27 channels) followed by the trainable 1x1 prep conv
-    (27 to c_out channels), computed as the single 3x3 conv they compose to. Its filters are formed
-    from the c_out x 27 weights at every step. The function and the gradient are the same, and the
-    27-channel whitened image is never written."""
+    (27 to c_out channels), computed as the single 3x3 conv they compose to, its filters formed
+    from the c_out x 27 weights at every step. It has the two convs' function and gradient, and
+    never writes the 27-channel whitened image."""
 
     def __init__(self, whitening, c_out, learned=False):
         super().__init__()
@@ -164,7 +164,7 @@ class WhitenedPrep(nn.Module):
         nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))  # as nn.Conv2d draws, fan-in 27
 
     def forward(self, x):
-        wide = at_least_fp32(x.dtype)  # cheap on 3 channels, as to_training_precision says
+        wide = at_least_fp32(x.dtype)  # cheap on 3 channels; to_training_precision says why
         filters = self.weight.to(wide) @ self.whitening.to(wide).flatten(1)
         filters = filters.view(-1, *self.whitening.shape[1:])
         return F.conv2d(x.to(wide), filters, padding=1).to(x.dtype)
@@ -173,18 +173,18 @@ class WhitenedPrep(nn.Module):
 class GhostBatchNorm(nn.BatchNorm2d):
     """Batch norm over splits of split_size images (0 means the whole batch). Split k of s holds
     images k, k + s, k + 2s, ... Page 8: splits of about 32 images work best, because their noisier
-    statistics regularise (94.1 -> 94.2 %). The scales are frozen at 1, and CELU's alpha and the
-    biases' rate and decay are scaled to match (94.2 %). It computes in fp32 whatever the dtype.
+    statistics regularise (94.1 -> 94.2 %). With the scales frozen at 1, HYP's celu_alpha and bias
+    rate and decay suit them (94.2 %). It computes in fp32, its parameters' dtype.
 
     In NCHW memory a view makes the splits the channels of one batch_norm, as in Page's code. In
-    channels_last memory no view can, so var_mean and arithmetic compute the same there, which the
-    compiler fuses with the layers around them. The running statistics move towards the mean of
-    the splits' statistics."""
+    channels_last memory no view can, so var_mean and arithmetic compute the same there, and the
+    compiler fuses them with the layers around them. The running statistics move towards the mean
+    of the splits' statistics."""
 
-    def __init__(self, channels, split_size, frozen_scale=True):
+    def __init__(self, channels, split_size, scale_frozen=True):
         super().__init__(channels)
         self.split_size = split_size
-        self.weight.requires_grad_(not frozen_scale)  # Page's scale stays 1: only the bias learns
+        self.weight.requires_grad_(not scale_frozen)  # Page's scale stays 1: only the bias learns
 
     def forward(self, x):
         if not self.training:  # the running statistics, in fp32
@@ -192,15 +192,15 @@ class GhostBatchNorm(nn.BatchNorm2d):
         n, c, h, w = x.shape
         size = self.split_size or n
         splits = n // size
-        wide = x.to(self.running_mean.dtype)
+        x_wide = x.to(self.running_mean.dtype)
         if x.is_contiguous():  # NCHW
-            statistics = wide.new_zeros(2, splits * c)  # with momentum 1, each split's own
-            y = F.batch_norm(wide.view(-1, splits * c, h, w), statistics[0], statistics[1],
+            statistics = x_wide.new_zeros(2, splits * c)  # batch_norm writes each split's here
+            y = F.batch_norm(x_wide.view(-1, splits * c, h, w), statistics[0], statistics[1],
                              self.weight.repeat(splits), self.bias.repeat(splits), True, 1.0,
-                             self.eps)
+                             self.eps)  # momentum 1: the running statistics are the batch's
             mean, var = statistics.view(2, splits, c).mean(1)
         else:
-            xs = wide.view(-1, splits, c, h, w)  # split k is xs[:, k]
+            xs = x_wide.view(-1, splits, c, h, w)  # split k is xs[:, k]
             var, mean = torch.var_mean(xs, dim=(0, 3, 4), correction=0, keepdim=True)
             scale = torch.rsqrt(var + self.eps) * self.weight.view(1, 1, c, 1, 1)
             y = (xs - mean) * scale + self.bias.view(1, 1, c, 1, 1)
@@ -213,9 +213,9 @@ class GhostBatchNorm(nn.BatchNorm2d):
 
 def conv_bn(c_in, c_out, hyp, pool=False, conv=None):
     """A 3x3 conv without bias (the batch norm's bias follows), an optional 2x2 max-pool, ghost
-    batch norm and CELU. A first layer passes its own conv. Page pools before batch norm, which then
-    has a quarter of the work: that cost 0.1 % of accuracy, which one more epoch won back. CELU is
-    smooth where ReLU bends at 0, and easier to train (Page 8: 94.1 -> 94.3 %)."""
+    batch norm and CELU; a first layer passes its own conv. Page pools before batch norm, which
+    then has a quarter of the work; it cost 0.1 % of accuracy at first (Page 8). CELU is smooth
+    where ReLU bends at 0, and easier to train (Page 8: 94.1 -> 94.3 %)."""
     if conv is None:
         conv = nn.Conv2d(c_in, c_out, 3, padding=1, bias=False)
     return nn.Sequential(conv, *([nn.MaxPool2d(2)] if pool else []),
@@ -237,19 +237,19 @@ class Residual(nn.Module):
 class ResNet9(nn.Module):
     """Page's ResNet9: whitening and prep, three pooled layers (two with residual branches), a
     global max-pool, a linear head, and logits x 1/16 (Page 8: an output scale to suit the frozen
-    batch-norm scales). whitening holds the first layer's 27 filters; without it they are zeros
-    until weights are loaded. The model keeps hyp, which rebuilds it."""
+    batch-norm scales). whitening holds the first layer's 27 filters, else zeros until weights
+    are set. model.hyp holds the settings that rebuild it (load_model)."""
 
     def __init__(self, hyp, whitening=None):
         super().__init__()
         self.hyp = hyp
         prep, c1, c2, c3 = hyp['channels']
-        first = None  # with whitening 'none', a plain 3x3 conv, as in Page's first networks
+        prep_conv = None  # with whitening 'none', a plain 3x3 conv, as in Page's first networks
         if hyp['whitening'] != 'none':
-            if whitening is None:  # zeros until a run's or a file's weights are set
+            if whitening is None:
                 whitening = torch.zeros(27, 3, 3, 3)
-            first = WhitenedPrep(whitening, prep, learned=hyp['whitening'] == 'learned')
-        self.prep = conv_bn(3, prep, hyp, conv=first)
+            prep_conv = WhitenedPrep(whitening, prep, learned=hyp['whitening'] == 'learned')
+        self.prep = conv_bn(3, prep, hyp, conv=prep_conv)
         self.layer1 = nn.Sequential(conv_bn(prep, c1, hyp, pool=True), Residual(c1, hyp))
         self.layer2 = conv_bn(c1, c2, hyp, pool=True)
         self.layer3 = nn.Sequential(conv_bn(c2, c3, hyp, pool=True), Residual(c3, hyp))
@@ -265,8 +265,8 @@ class ResNet9(nn.Module):
 
 def flip_tta_logits(model, images):
     """The logits of each image, and their mean with its mirror image's (flip test-time
-    augmentation), in one forward pass. The mean is the same for an image and its mirror, an
-    invariance that training's random flips only teach (Page 8: 94.1 -> 94.6 %, the most of all)."""
+    augmentation), in one forward pass. The mean is the same for an image and its mirror, which
+    training's random flips can only encourage (Page 8: 94.1 -> 94.6 %, the most of all)."""
     plain, mirrored = model(torch.cat([images, images.flip(3)])).split(len(images))
     return plain, (plain + mirrored) / 2
 
@@ -280,8 +280,8 @@ def to_training_precision(model, dtype, device='cpu', layout=torch.contiguous_fo
              because the whitening's small-eigenvalue directions cancel most of it
       fp32   the loss (summed_loss, evaluate), a log of a sum of exponentials
       fp32   the EMA's average, whose small steps fp16 would round away
-    The weights themselves are updated in fp16, as Page's are. The harness turns TF32 off, so that
-    fp32 is fp32 on every GPU."""
+    Each weight is updated in place in its own dtype, as Page's are. The harness turns TF32 off, so
+    that fp32 is fp32 on every GPU."""
     model.to(device, dtype, memory_format=layout)
     for module in model.modules():
         if isinstance(module, nn.BatchNorm2d):
@@ -334,14 +334,16 @@ class Nesterov:
 
 def optimiser(model, hyp):
     """Page's two groups: the batch-norm biases, with bias_lr_scale, and every other trainable
-    weight. An optimiser put in its place needs step(lr) after each backward of the summed loss."""
+    weight. Another optimiser may take its place if step(lr) makes one step after a backward."""
     norm_biases = {id(m.bias) for m in model.modules() if isinstance(m, nn.BatchNorm2d)}
     trainable = [p for p in model.parameters() if p.requires_grad]
     biases = [p for p in trainable if id(p) in norm_biases]
     weights = [p for p in trainable if id(p) not in norm_biases]
-    b, wd, k = hyp['batch_size'], hyp['weight_decay'], hyp['bias_lr_scale'] or 1  # 0 means x 1
-    return Nesterov([dict(params=weights, lr_scale=1 / b, weight_decay=wd * b),
-                     dict(params=biases, lr_scale=k / b, weight_decay=wd * b / k)], hyp['momentum'])
+    batch, decay = hyp['batch_size'], hyp['weight_decay']
+    bias_scale = hyp['bias_lr_scale'] or 1  # 0 is off: the weights' rate and decay
+    return Nesterov([dict(params=weights, lr_scale=1 / batch, weight_decay=decay * batch),
+                     dict(params=biases, lr_scale=bias_scale / batch,
+                          weight_decay=decay * batch / bias_scale)], hyp['momentum'])
 
 
 def averaged_tensors(model):
@@ -368,11 +370,10 @@ def summed_loss(model, images, labels, label_smoothing):
 
 
 class Trainer:
-    """The networks that the runs of one graph setting reuse, each built once: the network trained,
-    its EMA in fp32, and eval_network, into which evaluate() copies the EMA in the network's dtype.
-    Also the loss and flip-TTA functions, compiled unless compile_mode is False (else it is
-    torch.compile's mode), and the memory layout: channels_last where compiled, except on MPS, and
-    NCHW otherwise. new_run() starts each run."""
+    """What the runs of one graph setting (the harness's GRAPH_SETTINGS) reuse: the network, its
+    EMA in fp32, eval_network (the EMA in the network's dtype), the loss and flip-TTA functions,
+    compiled in torch.compile's compile_mode unless it is False, and the layout: channels_last
+    where compiled, but on MPS. new_run() starts each run."""
 
     def __init__(self, hyp, device, dtype, compile_mode):
         self.device, self.dtype = device, dtype
@@ -380,14 +381,14 @@ class Trainer:
         layout = torch.channels_last if channels_last else torch.contiguous_format
         self.memory_format = layout
 
-        def network(dtype):  # its weights are left unset: new_run() draws them
+        def build(dtype):  # its weights are left unset: new_run() draws them
             with torch.device('meta'):
                 model = ResNet9(hyp)
             return to_training_precision(model.to_empty(device=device), dtype, device, layout)
-        self.network = network(dtype)
-        self.eval_network = network(dtype).eval().requires_grad_(False)
-        self.ema = network(at_least_fp32(dtype)).eval().requires_grad_(False)
-        self.ema_tensors = averaged_tensors(self.ema)  # each list made once, for one call each
+        self.network = build(dtype)
+        self.eval_network = build(dtype).eval().requires_grad_(False)
+        self.ema = build(at_least_fp32(dtype)).eval().requires_grad_(False)
+        self.ema_tensors = averaged_tensors(self.ema)  # made once, so an update is one call
         self.trained_tensors = averaged_tensors(self.network)
         self.eval_tensors = averaged_tensors(self.eval_network)
         self.loss, self.tta_logits = summed_loss, flip_tta_logits
@@ -425,7 +426,7 @@ def train_epoch(trainer, images, labels, rates, hyp):
     updated after batches 0, 5, 10, ... (without an EMA, it copies the weights after the last)."""
     steps, batch = len(rates), hyp['batch_size']
     ema_steps = range(0, steps, hyp['ema_every']) if hyp['ema_momentum'] else [steps - 1]
-    update_momentum = hyp['ema_momentum'] ** hyp['ema_every']  # one update per ema_every steps
+    momentum_per_update = hyp['ema_momentum'] ** hyp['ema_every']
     loss_sum = correct = 0  # device tensors after the first step
     for i, lr in enumerate(rates):
         x, y = images[i * batch:(i + 1) * batch], labels[i * batch:(i + 1) * batch]
@@ -434,7 +435,7 @@ def train_epoch(trainer, images, labels, rates, hyp):
         loss.backward()
         trainer.optimiser.step(lr)
         if i in ema_steps:
-            ema_update(trainer.ema_tensors, trainer.trained_tensors, update_momentum)
+            ema_update(trainer.ema_tensors, trainer.trained_tensors, momentum_per_update)
         loss_sum += loss.detach()
         correct += (logits.argmax(1) == y).sum()
     return loss_sum, correct
@@ -527,9 +528,9 @@ def train_run(data, test_set, trainer, hyp, seed, on_epoch, steps_per_epoch=None
 
 
 # #############################################################################################
-# Harness: what a run is given (device, dtype, compilation, --tiny's TINY), and all that is around
-# it: the download, the Python entry, reporting, statistics, job files and the command line. It
-# changes no number that a run computes.
+# Harness: what a run is given (device, dtype, compilation, TF32 off, --tiny's TINY), and all that
+# is around it: the download, the Python entry, reporting, statistics, job files and the command
+# line. What it gives every run alike is all it does to a run's numbers.
 # #############################################################################################
 
 import argparse, codecs, contextlib, datetime, difflib, hashlib, http.client, importlib.util, io
@@ -543,7 +544,7 @@ TINY = dict(epochs=4, batch_size=64, train_images=3000, test_images=500, channel
 
 
 def print_nothing(*args, **kwargs):
-    """Stands in for print in train(), unless progress is asked for."""
+    """Stands in for print where train() prints nothing: the warm-up's line and the rows."""
 
 
 class UserError(ValueError):
@@ -573,7 +574,7 @@ def ensure_cifar10(data_dir, url=None, md5=CIFAR10_MD5):
     try:
         if not (data_dir / BATCHES_DIR).is_dir():
             data_dir.mkdir(parents=True, exist_ok=True)
-            if not archive.exists():  # an archive already there is judged by its contents
+            if not archive.exists():  # one already there is not md5-checked: damage fails below
                 print(f'downloading {url}', file=sys.stderr)
                 with urllib.request.urlopen(url, timeout=60) as response, open(partial, 'wb') as f:
                     shutil.copyfileobj(response, f, 1 << 20)
@@ -643,7 +644,7 @@ def load_cifar10(folder):
         except Exception as e:  # a missing file, and the ways in which a damaged pickle fails
             why = e.strerror if isinstance(e, OSError) else f'{type(e).__name__}: {e}'
             raise UserError(f'{path}: not a CIFAR-10 python batch ({why}): {folder} must hold a '
-                            'whole copy (without one, a --data-dir gets a download)') from None
+                            'whole copy (a --data-dir without one gets a download)') from None
         images.append(pixels)
         labels.append(classes.astype(np.int64))
         md5s.append(hashlib.md5(raw).hexdigest())
@@ -702,9 +703,9 @@ def pick_compile_mode(option, device, tiny=False):
 
 @contextlib.contextmanager
 def torch_settings(device, compile_mode=False):
-    """torch set as runs need it, and as it was afterwards: cuDNN searches for its fastest kernels
-    on CUDA (a run's shapes are fixed), TF32 is off (fp32 is fp32 on any GPU), and a compiled
-    function may keep a graph for each of 256 settings, where torch keeps 8 and then runs eager."""
+    """torch as runs need it, and as it was afterwards: cuDNN's search on CUDA (a run's shapes are
+    fixed), no TF32 (fp32 is fp32 on any GPU), and room for a graph per GRAPH_SETTINGS of a sweep
+    (256 per function, where torch keeps 8 and then runs eager)."""
     cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
     saved = cudnn.benchmark, cudnn.allow_tf32, matmul.allow_tf32
     cudnn.benchmark = device.type == 'cuda'
@@ -720,8 +721,8 @@ def torch_settings(device, compile_mode=False):
 
 
 def warmed_up_trainer(data, hyp, device, dtype, compile_mode, log):
-    """A new Trainer, compiled if asked, with its compiled step checked against eager's. Untimed
-    runs of 2 steps then pay the one-off costs: one on a CPU, two on a GPU (cuDNN, CUDA graphs)."""
+    """A new Trainer, compiled if asked, with its compiled step checked against eager's. An untimed
+    run of 2 steps then pays the one-off costs, twice on a GPU (cuDNN's search, CUDA graphs)."""
     trainer = Trainer(hyp, device, dtype, compile_mode)
     if compile_mode:
         start = time.perf_counter()
@@ -739,9 +740,8 @@ def warmed_up_trainer(data, hyp, device, dtype, compile_mode, log):
             why = f'failed ({reason})'
         if why:
             raise UserError(f'torch.compile {why}; --no-compile trains eager')
-        seconds = time.perf_counter() - start
-        log(f"torch.compile ({compile_mode}): {seconds:.1f} s, its step checked against eager's, "
-            "outside every run's time", flush=True)
+        log(f'torch.compile ({compile_mode}): {time.perf_counter() - start:.1f} s, its step '
+            "checked against eager's, outside every run's time", flush=True)
     test_set = upload_test_set(data, trainer)
     for _ in range(1 if device.type == 'cpu' else 2):
         train_run(data, test_set, trainer, {**hyp, 'epochs': 1}, 0, print_nothing,
@@ -750,9 +750,9 @@ def warmed_up_trainer(data, hyp, device, dtype, compile_mode, log):
 
 
 def compiled_step_error(trainer, x, y, hyp):
-    """How the compiled step's loss and gradients differ from eager's beyond rounding, or None. Each
-    may differ by 4 times eager's own distance from the step in a wider dtype (on the CPU for MPS),
-    and by 4 times the median distance at least. No CPU suite can test a GPU's compiler."""
+    """How the compiled step's loss and gradients differ from eager's beyond rounding, or None.
+    Eager's own difference from the same step in a wider dtype (on the CPU for MPS) is its rounding;
+    each may differ by 4 times that, and by 4 times the median of those at least."""
     def loss_and_gradients(model, loss_function, images):
         model.zero_grad()  # every .grad to None
         loss = loss_function(model, images, y.to(images.device), hyp['label_smoothing'])[0]
@@ -809,10 +809,10 @@ def train(data, hyp=None, seed=0, tiny=False, device='auto', dtype='auto', compi
           progress=False):
     """One run of the recipe, as the command line trains it, on data: uint8 N x 3 x 32 x 32
     'train_images' and 'test_images' with integer 'train_labels' and 'test_labels' 0-9, as
-    load_cifar10 returns them or a subset or relabelling, of which the run takes the first
-    hyp['train_images'] and hyp['test_images']. hyp goes over HYP (over TINY's if tiny). Returns
-    trained_model's model and the rows. Later calls reuse the networks of the first call with the
-    same graph settings. A bad input raises a UserError (a ValueError) naming it."""
+    load_cifar10 returns them, or a subset or relabelling. The run takes the first
+    hyp['train_images'] and hyp['test_images'] of them; hyp goes over HYP (over TINY's if tiny).
+    Returns the model (see trained_model) and the rows. Calls with the same GRAPH_SETTINGS reuse
+    the first's networks. A bad input raises a UserError (a ValueError) naming it."""
     hyp = hyperparameters(hyp, tiny)
     why = hyp_problem(hyp)
     if why:
@@ -885,7 +885,7 @@ def load_model(path):
 # ==== Reporting: the Myrtle.ai / DAWNBench table, the header, the summary over runs ============
 COLUMNS = ('epoch', 'lr', 'train time', 'train loss', 'train acc',
            'valid time', 'valid loss', 'valid acc', 'total time')
-ROW_KEYS = [column.replace(' ', '_') for column in COLUMNS]  # a row's keys, and plain_acc
+ROW_KEYS = [column.replace(' ', '_') for column in COLUMNS]  # a row also holds plain_acc
 
 
 def table_line(values):
@@ -894,19 +894,19 @@ def table_line(values):
 
 
 def table_printer(run, runs, seed):
-    """Print a run's title and the columns, and return train_run's on_epoch, which prints each row
-    and FAILED below a row whose loss is not finite."""
+    """Print a run's title and the columns, and return the function that prints a row (train_run's
+    on_epoch), with FAILED below a row whose loss is not finite."""
     print(f'\nrun {run}/{runs} (seed {seed})\n{table_line(COLUMNS)}', flush=True)
 
     def print_row(row):
         print(table_line(row[key] for key in ROW_KEYS), flush=True)
         if diverged([row]):
-            print(f"run {run} FAILED: the loss became NaN in epoch {row['epoch']}")
+            print(f"run {run} FAILED: the loss was not finite in epoch {row['epoch']}")
     return print_row
 
 
 def evaluation_label(hyp):
-    """What valid accuracy is of, in the output's words, 'flip-TTA, EMA' in the recipe."""
+    """What valid accuracy measures, as the output names it: 'flip-TTA, EMA' for the recipe."""
     return (f"{'flip-TTA' if hyp['flip_tta'] else 'no TTA'}, "
             f"{'EMA' if hyp['ema_momentum'] else 'no EMA: the trained weights'}")
 
@@ -946,7 +946,7 @@ def summarize(runs, hyp=HYP):
         low, high = acc.mean() - half_width, acc.mean() + half_width
         summary['acc_ci95'] = (max(low, 0.0), min(high, 1.0))  # an accuracy lies in 0-1
         summary['acc_ci95_clipped'] = not 0 <= low <= high <= 1
-    return summary  # numpy's floats are Python floats, for json too
+    return summary  # numpy's float64 is a Python float, which json writes
 
 
 def summary_lines(summary):
@@ -954,7 +954,7 @@ def summary_lines(summary):
     def percent(*keys):
         return ' / '.join(f'{100 * summary[key]:.2f}' for key in keys)
     finished = summary['finished']
-    failed = f", {summary['failed']} failed (the loss became NaN)" if summary['failed'] else ''
+    failed = f", {summary['failed']} failed (the loss not finite)" if summary['failed'] else ''
     lines = [f'runs: {finished} finished{failed}']
     if not finished:
         return lines + ['no run finished: no statistics']
@@ -1035,7 +1035,7 @@ def t_cdf(t, df):
 
 
 def t_quantile(p, df):
-    """The t with t_cdf(t, df) = p, by bisection to within 2e6 / 2^60."""
+    """The t with t_cdf(t, df) = p, by 60 halvings of [-1e6, 1e6]."""
     low, high = -1e6, 1e6
     for _ in range(60):
         mid = (low + high) / 2
@@ -1060,7 +1060,7 @@ def welch(a, b):
 
 # ==== Job files: written after every run, read back by --resume, compared by --compare =========
 JOB_FORMAT = 'train_cifar10.py job, format 4'
-# A job's identity, what can change a run's numbers: --resume refuses to mix it, --compare shows it.
+# A job's identity, which --resume refuses to mix: what can change a run's numbers.
 DATA_KEYS = ('data', 'data_digest', 'test_images')
 JOB_KEYS = ('script_sha256', 'torch', 'device', 'dtype', 'compile', 'hyperparameters', 'seed',
             'train_images', *DATA_KEYS)
@@ -1105,8 +1105,8 @@ def read_job(path, option):
 
 
 def job_differences(a, b, keys=JOB_KEYS):
-    """'name (a's -> b's)' for each setting in which two jobs differ, each hyperparameter singly;
-    the data's image counts stand for the hyperparameters of their names."""
+    """'name (a's -> b's)' for each setting in which two jobs differ, each hyperparameter singly.
+    The numbers of images the data held override the hyperparameters of the same names."""
     def settings(job):
         hyp = job['hyperparameters'] if 'hyperparameters' in keys else {}
         return {**hyp, **{key: job[key] for key in keys if key != 'hyperparameters'}}
@@ -1129,7 +1129,7 @@ def compare_lines(paths, plot=None):
         if not len(acc):
             raise UserError(f'--compare: {path} has no finished run')
         accuracies.append(acc)
-        failed = len(job['runs']) - len(acc)  # their loss became NaN: not in the statistics
+        failed = len(job['runs']) - len(acc)  # their loss was not finite: left out
         notes = f' ({failed} failed, left out)' if failed else ''
         spread = f'standard deviation {100 * acc.std(ddof=1):.2f} %' if len(acc) > 1 else 'one run'
         lines.append(f"{side}  {path}: {len(acc)} run{'s' * (len(acc) > 1)}{notes}, final "
@@ -1139,28 +1139,28 @@ def compare_lines(paths, plot=None):
     for side, job, b in list(zip(sides, jobs, accuracies))[1:]:
         differences = job_differences(jobs[0], job, [k for k in JOB_KEYS if k != 'seed'])
         lines.append(f"\n{side} differs from A in: {', '.join(differences) or 'nothing recorded'}")
-        few = min(len(a), len(b))  # the runs of the smaller side
-        w = {}
-        if few > 1:
-            w = welch(a, b)
-        if not w.get('se'):  # one run on a side, or no spread
-            why = 'it needs two runs on each side' if few < 2 else 'both repeat one accuracy'
+        fewer = min(len(a), len(b))  # the runs of the smaller side
+        test = {}
+        if fewer > 1:
+            test = welch(a, b)
+        if not test.get('se'):  # one run on a side, or no spread
+            why = 'it needs two runs on each side' if fewer < 2 else 'both repeat one accuracy'
             lines.append(f'{side} - A: {100 * (b.mean() - a.mean()):+.3f} points; no test, since '
                          f'{why}')
             continue
-        low, high = w['ci95']
-        lines.append(f"{side} - A: {100 * w['diff']:+.3f} points, 95 % confidence interval "
-                     f"[{100 * low:+.3f}, {100 * high:+.3f}] (Welch, {w['df']:.1f} degrees of "
-                     f"freedom), p = {w['p']:.2g} (two-sided)")
+        low, high = test['ci95']
+        lines.append(f"{side} - A: {100 * test['diff']:+.3f} points, 95 % confidence interval "
+                     f"[{100 * low:+.3f}, {100 * high:+.3f}] (Welch, {test['df']:.1f} degrees of "
+                     f"freedom), p = {test['p']:.2g} (two-sided)")
         if low <= 0 <= high:
             lines.append('the interval holds 0: no difference shown at the 5 % level')
         else:
-            lines.append(f"{side} is {'higher' if w['diff'] > 0 else 'lower'} than A at the 5 % "
+            lines.append(f"{side} is {'higher' if test['diff'] > 0 else 'lower'} than A at the 5 % "
                          'level')
-        smallest = 100 * w['se'] * (t_quantile(0.975, w['df']) + t_quantile(0.8, w['df']))
+        minimum = 100 * test['se'] * (t_quantile(0.975, test['df']) + t_quantile(0.8, test['df']))
         caveat = ('; with fewer than 5 runs on a side, the test rests on normally distributed '
-                  'accuracies, which so few cannot show') if few < 5 else ''
-        lines.append(f'these runs would find a true difference of {smallest:.3f} points or more '
+                  'accuracies, which so few cannot show') if fewer < 5 else ''
+        lines.append(f'these runs would find a true difference of {minimum:.3f} points or more '
                      f'80 % of the time at the 5 % level{caveat}')
     if plot:  # --plot draws the jobs, each in a colour of its own
         plot_jobs(plot, jobs, [f'{side} {path}, ' for side, path in zip(sides, paths)])
@@ -1168,9 +1168,10 @@ def compare_lines(paths, plot=None):
 
 
 # ==== The command line, and main ===============================================================
-COUNTS = ('epochs', 'batch_size', 'ema_every', 'channels', 'whitening_images', 'augment_options',
-          'eval_batch_size', 'train_images', 'test_images')  # at least 1
-AT_MOST = dict(label_smoothing=1, pad=31, cutout=32)  # all targets uniform; a 32-pixel side
+AT_LEAST_ONE = ('epochs', 'batch_size', 'ema_every', 'channels', 'whitening_images',
+                'augment_options', 'eval_batch_size', 'train_images', 'test_images')
+# 1 makes every target uniform; reflect padding needs a pad below 32; a square fits 32 pixels.
+AT_MOST = dict(label_smoothing=1, pad=31, cutout=32)
 # Page's tricks, each with the setting that turns it off, for --help.
 TRICKS_OFF = {'whitening': 'whitening=none', 'label smoothing': 'label_smoothing=0',
               'CELU': 'celu_alpha=0', 'ghost batch norm': 'bn_split_size=0',
@@ -1207,7 +1208,7 @@ def hyp_problem(hyp):
         why = kind_problem(name, value)
         if why:
             return why
-        low = 1 if name in COUNTS else 0
+        low = 1 if name in AT_LEAST_ONE else 0
         high = AT_MOST.get(name, sys.float_info.max)  # the largest finite float
         values = value if isinstance(value, (tuple, list)) else [value]
         if name != 'whitening' and not all(low <= float(v) <= high for v in values):
@@ -1373,14 +1374,14 @@ class Job:
                 seed = args.seed + run - 1
                 on_epoch = table_printer(run, args.runs, seed)
                 rows = train_run(self.data, test_set, self.trainer, self.hyp, seed, on_epoch)
-                self.keep(dict(run=run, seed=seed, failed=diverged(rows), rows=rows,
-                               accuracy=rows[-1]['valid_acc'], time_s=rows[-1]['total_time']))
+                self.record_run(dict(run=run, seed=seed, failed=diverged(rows), rows=rows,
+                                     accuracy=rows[-1]['valid_acc'], time_s=rows[-1]['total_time']))
 
-    def keep(self, record):
-        """Add a finished run, once it is in the job file, save its EMA model to --save's file, and
-        say when a job whose runs take minutes should end."""
+    def record_run(self, record):
+        """Write a finished run to the job file, then hold it, save its EMA model to --save's file,
+        and say when a job whose runs take minutes should end."""
         runs = sorted([*self.runs, record], key=lambda run: run['run'])
-        self.kept_at = time.perf_counter()
+        self.recorded_at = time.perf_counter()
         if self.path:
             files = ('json', 'resume', 'plot')  # not the job's settings
             options = {k: v for k, v in vars(self.args).items() if k not in files}
@@ -1395,7 +1396,7 @@ class Job:
             model = trained_model(self.trainer, self.hyp, self.data)
             save_model(model, self.args.save, run=record['run'], seed=record['seed'],
                        accuracy=record['accuracy'])
-        per_run = (self.kept_at - self.started) / (len(runs) - self.runs_resumed)
+        per_run = (self.recorded_at - self.started) / (len(runs) - self.runs_resumed)
         left = self.args.runs - len(runs)
         if left and per_run > 60:
             end = datetime.datetime.now() + datetime.timedelta(seconds=per_run * left)
@@ -1407,7 +1408,7 @@ class Job:
         summary = summarize(runs, self.hyp)
         trained = len(runs) - self.runs_resumed
         if trained:
-            summary.update(trained=trained, wall_s=self.kept_at - self.started)
+            summary.update(trained=trained, wall_s=self.recorded_at - self.started)
         return summary
 
     def end(self, status):
