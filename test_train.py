@@ -1518,7 +1518,7 @@ def test_every_trick_off_trains_through_main(dataset, tmp_path, capsys):
         assert all(math.isfinite(row[k]) for k in ('train_loss', 'valid_loss', 'valid_acc', 'plain_acc'))
         if len(settings) > 1:
             assert {k: job['hyperparameters'][k] for k in ALL_TRICKS_OFF} == ALL_TRICKS_OFF
-            assert 'label_smoothing=0.0, ' in out and 'valid = accuracy (no TTA, no EMA' in out
+            assert 'label_smoothing=0, ' in out and 'valid = accuracy (no TTA, no EMA' in out
             assert row['valid_acc'] == row['plain_acc'] and 'without flip-TTA' not in out
         else:
             assert job['hyperparameters']['whitening'] == 'learned' and 'whitening=learned' in out
@@ -2148,19 +2148,19 @@ def test_set_changes_any_hyperparameter_and_resume_and_compare_carry_it(finished
     ('label_smothing=0.1', 1, "error: --set 'label_smothing=0.1': no such hyperparameter, did you mean "
                               'label_smoothing? (HYP lists them)\n'),
     ('=3', 1, "error: --set '=3': no such hyperparameter (HYP lists them)\n"),
-    ('ema_every=2.5', 1, "error: --set 'ema_every=2.5': not NAME=VALUE as ema_every=5\n"),
-    ('channels=8,x,32,64', 1, "error: --set 'channels=8,x,32,64': not NAME=VALUE as channels=64,128,256,512\n"),
+    ('ema_every=2.5', 1, 'error: --set ema_every=2.5: must be an integer, as ema_every=5\n'),
+    ('channels=8,x,32,64', 1, "error: --set channels='8,x,32,64': must be 4 integers, as channels=64,128,256,512\n"),
     ('channels=8,16', 1, "error: --set channels=(8, 16): must be 4 integers, as channels=64,128,256,512\n"),
     ('label_smoothing', 1, "error: --set 'label_smoothing': not NAME=VALUE as label_smoothing=0.2\n"),  # a space for =
-    ('flip_tta=false', 1, "error: --set 'flip_tta=false': not NAME=VALUE as flip_tta=True\n"),
-    ('bn_scale_frozen=1', 1, "error: --set 'bn_scale_frozen=1': not NAME=VALUE as bn_scale_frozen=True\n"),
+    ('flip_tta=false', 1, "error: --set flip_tta='false': must be True or False, as flip_tta=True\n"),
+    ('bn_scale_frozen=1', 1, 'error: --set bn_scale_frozen=1: must be True or False, as bn_scale_frozen=True\n'),
     ('channels=(8, 0, 32, 64)', 1, 'error: --set channels=8,0,32,64: must be a finite number of at least 1\n'),   # would crash a run
     ('bn_split_size=-1', 1, 'error: --set bn_split_size=-1: must be a finite number of at least 0\n'),
     ('celu_alpha=-0.1', 1, 'error: --set celu_alpha=-0.1: must be a finite number of at least 0\n'),
     ('whitening=learnt', 1, 'error: --set whitening=learnt: must be fixed, learned or none\n'),
     ('bn_split_size=24', 1, "error: --set batch_size=64: must be a multiple of ghost batch norm's split, 24\n"),
-    ('lr_peak=nan', 1, 'error: --set lr_peak=nan: must be a finite number of at least 0\n'),
-    ('lr_peak=inf', 1, 'error: --set lr_peak=inf: must be a finite number of at least 0\n'),
+    ('lr_peak=nan', 1, "error: --set lr_peak='nan': must be a number, as lr_peak=1.0\n"),     # no literal: a string
+    ('lr_peak=1e999', 1, 'error: --set lr_peak=inf: must be a finite number of at least 0\n'),
     ('weight_decay=-5e-4', 1, 'error: --set weight_decay=-0.0005: must be a finite number of at least 0\n'),
     ('train_images=0', 1, 'error: --set train_images=0: must be a finite number of at least 1\n'),
     ('label_smoothing=1.5', 1, 'error: --set label_smoothing=1.5: must be a finite number of at least 0 and at most 1\n'),
@@ -2178,10 +2178,13 @@ def test_a_set_that_names_nothing_does_not_parse_or_cannot_make_the_run_is_refus
     assert err.startswith(message) and err.count('\n') == 1
 
 
-def test_set_reads_a_value_as_its_hyperparameters_type():
+def test_set_reads_a_value_as_a_python_literal_else_a_string():
     assert T.hyp_setting('bias_lr_scale=0.5') == ('bias_lr_scale', 0.5)        # a rate, though Page's is 64
     assert T.hyp_setting('epochs=3') == ('epochs', 3) and isinstance(T.hyp_setting('epochs=3')[1], int)
     assert T.hyp_setting('channels=(8, 16, 32, 64)') == T.hyp_setting('channels=8,16,32,64') == ('channels', (8, 16, 32, 64))
+    assert T.hyp_setting('flip_tta=False') == ('flip_tta', False) and T.hyp_setting('weight_decay=-5e-4')[1] == -0.0005
+    assert T.hyp_setting('whitening=learned') == ('whitening', 'learned')
+    assert T.hyp_setting('lr_peak=__import__("os").remove("x")') == ('lr_peak', '__import__("os").remove("x")')  # runs nothing
     with pytest.raises(Exception, match="'LR_PEAK=2': no such hyperparameter"):
         T.hyp_setting('LR_PEAK=2')
 

@@ -533,7 +533,7 @@ def train_run(data, test_set, trainer, hyp, seed, on_epoch, steps_per_epoch=None
 # line. What it gives every run alike is all it does to a run's numbers.
 # #############################################################################################
 
-import argparse, bisect, codecs, contextlib, datetime, difflib, hashlib, http.client
+import argparse, ast, bisect, codecs, contextlib, datetime, difflib, hashlib, http.client
 import importlib.util, io, json, os, pickle, platform, shutil, signal, sys, tarfile, tempfile
 import textwrap, urllib.request
 from pathlib import Path
@@ -1224,22 +1224,16 @@ def as_typed(value):
 
 
 def hyp_setting(text):
-    """--set's NAME=VALUE as (NAME, VALUE), VALUE of HYP's type, a tuple as 1,2,3 or (1, 2, 3)."""
+    """--set's NAME=VALUE as (NAME, VALUE): a Python literal (1,2,3 is a tuple), else the string.
+    hyp_problem checks VALUE's kind with the rest of hyp."""
     name, equals, value = text.partition('=')
-    default = HYP.get(name)
-    with contextlib.suppress(ValueError, KeyError, TypeError):  # TypeError: no such name (None)
-        if isinstance(default, tuple):
-            parsed = tuple(type(default[0])(part) for part in value.strip('()').split(','))
-        elif isinstance(default, bool):
-            parsed = {'True': True, 'False': False}[value]  # bool('False') is True
-        else:
-            parsed = type(default)(value)
-        if equals:
-            return name, parsed
-    why = no_such_name(name)
-    if name in HYP:
-        why = f'not NAME=VALUE as {name}={as_typed(default)}'
-    raise UserError(f'--set {text!r}: {why}')
+    if name not in HYP:
+        raise UserError(f'--set {text!r}: {no_such_name(name)}')
+    if not equals:
+        raise UserError(f'--set {text!r}: not NAME=VALUE as {name}={as_typed(HYP[name])}')
+    with contextlib.suppress(ValueError, SyntaxError):  # not a literal, as whitening=fixed
+        return name, ast.literal_eval(value)
+    return name, value
 
 
 def parse_args(argv, defaults=None):
