@@ -1302,6 +1302,22 @@ def replayed_as_cuda_graphs(function, **options):
     return replay
 
 
+def test_a_job_says_whether_cuda_graphs_replay(compiled_runs, dataset, monkeypatch, capsys):
+    """Inductor runs a compiled pass without CUDA graphs, unasked, where they cannot hold it, and
+    a job compiled for them says so after its warm-up. On the CPU (the fp16 worker, compiled as on
+    a GPU) it skips them for each pass: the step's and the evaluation's. A compile that skips
+    nothing, as on a GPU, is said to replay; a compile without CUDA graphs says nothing of them."""
+    said = torch.load(compiled_runs['float16'][0] / 'run.pt')['said']
+    assert said[0].startswith('torch.compile (reduce-overhead): ')
+    assert said[1:] == ['CUDA graphs: skipped 2 time(s); TORCH_LOGS=cudagraphs says why']
+    monkeypatch.setattr(T.torch, 'compile', replayed_as_cuda_graphs)
+    for mode in ('reduce-overhead', 'default'):
+        monkeypatch.setattr(T, 'pick_compile_mode', lambda *args: mode)
+        assert T.main(['--tiny', '--epochs', '1', '--data-dir', str(dataset)]) == 0
+        lines = [line for line in capsys.readouterr().out.splitlines() if 'CUDA graphs' in line]
+        assert lines == ['CUDA graphs: every compiled pass replays as one'] * (mode == 'reduce-overhead')
+
+
 def test_no_output_of_a_compiled_call_is_read_after_the_next_call(monkeypatch, dataset):
     """CUDA graphs overwrite a call's outputs at the next call (a replay): a run whose loss,
     logits and flip-TTA logits go stale then is the same run, row for row."""
@@ -2700,7 +2716,9 @@ torch.set_num_threads(1)                          # two workers share the two co
 dtype, cpu = getattr(torch, {dtype!r}), torch.device('cpu')
 data = T.load_cifar10(T.ensure_cifar10({data!r}))
 hyp = {{**T.HYP, **T.TINY}}
-networks = T.Trainer(hyp, cpu, dtype, compile_mode='default')
+said = []                                         # the warm-up's lines: the GPU's mode, CUDA graphs
+networks = T.warmed_up_trainer(T.first_images(data, hyp), hyp, cpu, dtype, 'reduce-overhead',
+                               lambda line, **options: said.append(line))
 networks.new_run(hyp, 0, T.whitening_filters(T.upload_normalised(data['train_images'], cpu, torch.float32), 1e-2))
 x = T.upload_normalised(data['train_images'][:64], cpu, dtype).contiguous(memory_format=torch.channels_last)
 y = torch.from_numpy(data['train_labels'][:64])
@@ -2719,11 +2737,10 @@ for epoch in range(3):                            # a learnable task: 3 epochs o
     T.train_epoch(networks, *batches, T.lr_schedule({{**hyp, 'epochs': 3}}, [(5 * epoch + i) / 5 for i in range(1, 6)]).tolist(), hyp)
 losses.append(T.summed_loss(networks.network, x, y, hyp['label_smoothing'])[0].item() / 64)
 test = T.upload_normalised(data['test_images'], cpu, dtype).contiguous(memory_format=torch.channels_last)
-networks.tta_logits = T.flip_tta_logits      # eager: COMPILE_WORKER compiles the pass, not again
 evaluation = T.evaluate(networks, test, torch.from_numpy(data['test_labels']), hyp)
 whitening_kept = torch.equal(networks.ema.prep[0].whitening, networks.network.prep[0].whitening)
 torch.save(dict(disagreement=disagreement, compiled=compiled, eager=eager, reference=reference, losses=losses, evaluation=evaluation,
-                whitening_kept=whitening_kept,
+                whitening_kept=whitening_kept, said=said,
                 net={{n: t.dtype for n, t in networks.network.state_dict().items()}},
                 ema={{n: t.dtype for n, t in networks.ema.state_dict().items()}}), {out!r} + '/run.pt')
 """
@@ -2758,8 +2775,8 @@ def compile_workers(request, dataset, tmp_path_factory):
 @pytest.fixture(scope='module')
 def compiled_runs(compile_workers):
     """What compiled training gives on the CPU, narrow: fp32 (COMPILE_WORKER, beside eager, with
-    torch's recompile log), and the GPU's default path, fp16 (HALF_PRECISION_WORKER, whose fp32 EMA
-    is evaluated eager: its compiled pass is fp32's).
+    torch's recompile log), and the GPU's default path, fp16 in torch.compile's mode for CUDA
+    graphs (HALF_PRECISION_WORKER).
     dtype -> (the folder of its results, its stderr)."""
     results = {}
     for dtype, (folder, worker) in compile_workers.items():

@@ -723,9 +723,11 @@ def torch_settings(device, compile_mode=False):
 
 def warmed_up_trainer(data, hyp, device, dtype, compile_mode, log):
     """A new Trainer, compiled if asked, with its compiled step checked against eager's. An untimed
-    run of 2 steps then pays the one-off costs, twice on a GPU (cuDNN's search, CUDA graphs)."""
+    run of 2 steps then pays the one-off costs, twice on a GPU (cuDNN's search, CUDA graphs). The
+    log says whether CUDA graphs replay: inductor drops them unasked where they cannot hold a pass."""
     trainer = Trainer(hyp, device, dtype, compile_mode)
     if compile_mode:
+        skips = torch._dynamo.utils.counters['inductor']['cudagraph_skips']
         start = time.perf_counter()
         x = upload_normalised(data['train_images'][:hyp['batch_size']], device, dtype)
         y = torch.from_numpy(data['train_labels'][:hyp['batch_size']]).to(device, torch.int64)
@@ -747,6 +749,12 @@ def warmed_up_trainer(data, hyp, device, dtype, compile_mode, log):
     for _ in range(1 if device.type == 'cpu' else 2):
         train_run(data, test_set, trainer, {**hyp, 'epochs': 1}, 0, print_nothing,
                   steps_per_epoch=2)
+    if compile_mode == 'reduce-overhead':
+        skips = torch._dynamo.utils.counters['inductor']['cudagraph_skips'] - skips
+        graphs = 'CUDA graphs: every compiled pass replays as one'
+        if skips:
+            graphs = f'CUDA graphs: skipped {skips} time(s); TORCH_LOGS=cudagraphs says why'
+        log(graphs, flush=True)
     return trainer
 
 
