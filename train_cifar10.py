@@ -723,11 +723,11 @@ def torch_settings(device, compile_mode=False):
 
 def warmed_up_trainer(data, hyp, device, dtype, compile_mode, log):
     """A new Trainer, compiled if asked, with its compiled step checked against eager's. An untimed
-    run of 2 steps then pays the one-off costs, twice on a GPU (cuDNN's search, CUDA graphs). The
-    log says whether CUDA graphs replay: inductor drops them unasked where they cannot hold a pass."""
+    run of 2 steps then pays the one-off costs, twice on a GPU (cuDNN's search, CUDA graphs). Since
+    inductor skips CUDA graphs unasked where they cannot hold a pass, the log gives its count."""
     trainer = Trainer(hyp, device, dtype, compile_mode)
     if compile_mode:
-        skips = torch._dynamo.utils.counters['inductor']['cudagraph_skips']
+        skips_before = torch._dynamo.utils.counters['inductor']['cudagraph_skips']
         start = time.perf_counter()
         x = upload_normalised(data['train_images'][:hyp['batch_size']], device, dtype)
         y = torch.from_numpy(data['train_labels'][:hyp['batch_size']]).to(device, torch.int64)
@@ -750,11 +750,9 @@ def warmed_up_trainer(data, hyp, device, dtype, compile_mode, log):
         train_run(data, test_set, trainer, {**hyp, 'epochs': 1}, 0, print_nothing,
                   steps_per_epoch=2)
     if compile_mode == 'reduce-overhead':
-        skips = torch._dynamo.utils.counters['inductor']['cudagraph_skips'] - skips
-        graphs = 'CUDA graphs: every compiled pass replays as one'
-        if skips:
-            graphs = f'CUDA graphs: skipped {skips} time(s); TORCH_LOGS=cudagraphs says why'
-        log(graphs, flush=True)
+        skips = torch._dynamo.utils.counters['inductor']['cudagraph_skips'] - skips_before
+        log(f"CUDA graphs: inductor's count of skips in the warm-up is {skips} "
+            '(TORCH_LOGS=cudagraphs names each)', flush=True)
     return trainer
 
 
@@ -1044,7 +1042,7 @@ def t_cdf(t, df):
 
 
 def t_quantile(p, df):
-    """The t with t_cdf(t, df) = p, to 1e-6: bisect searches the millionths in [-1000, 1000]."""
+    """The t with t_cdf(t, df) = p, to 1e-6 and for |t| below 1000, by bisect among millionths."""
     millionths = range(-10 ** 9, 10 ** 9)
     first_reaching = bisect.bisect_left(millionths, p, key=lambda i: t_cdf(i / 1e6, df))
     return millionths[first_reaching] / 1e6
